@@ -1,0 +1,117 @@
+"""Command line: ``python -m dist_kernel {kernel,install,run}``.
+
+- ``kernel -f FILE [options]``: the parent kernel (what kernel.json runs);
+- ``install [--user|--sys-prefix|--prefix P] [--name N] [--display-name T] [options]``:
+  write a kernelspec bound to this interpreter;
+- ``run NOTEBOOK [--output OUT] [options]``: execute a notebook distributed, exit 1 naming
+  the cell and rank when a cell fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from dist_kernel import config as cfgmod
+from dist_kernel.exceptions import ConfigError
+
+DEFAULT_NAME = "distributed-python"
+DEFAULT_DISPLAY_NAME = "Distributed Python"
+
+
+def kernel_argv(options: list[str], executable: str | None = None) -> list[str]:
+    """The argv a kernelspec uses to start the parent kernel."""
+    return [executable or sys.executable, "-m", "dist_kernel", "kernel", "-f", "{connection_file}", *options]
+
+
+def kernel_json(options: list[str], display_name: str = DEFAULT_DISPLAY_NAME,
+                executable: str | None = None) -> dict:
+    return {
+        "argv": kernel_argv(options, executable),
+        "display_name": display_name,
+        "language": "python",
+        # the parent is never signalled: it receives interrupt_request and SIGINTs the busy ranks
+        "interrupt_mode": "message",
+        "metadata": {"debugger": False},
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dist_kernel", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    k = sub.add_parser("kernel", help="run the parent kernel (used by kernel.json)")
+    k.add_argument("-f", dest="connection_file", required=True)
+    cfgmod.add_arguments(k)
+
+    i = sub.add_parser("install", help="install the kernelspec for this interpreter")
+    where = i.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="install for this user")
+    where.add_argument("--sys-prefix", action="store_true", help="install into sys.prefix (venv/conda)")
+    where.add_argument("--prefix", default=None, help="install under this prefix")
+    i.add_argument("--name", default=DEFAULT_NAME)
+    i.add_argument("--display-name", default=None)
+    cfgmod.add_arguments(i)
+
+    r = sub.add_parser("run", help="execute a notebook on N ranks")
+    r.add_argument("notebook")
+    r.add_argument("--output", "-o", default=None, help="where to save the executed notebook")
+    r.add_argument("--cell-timeout", type=float, default=None, help="seconds per cell (default: none)")
+    cfgmod.add_arguments(r)
+    return p
+
+
+def cmd_kernel(ns: argparse.Namespace) -> int:
+    try:
+        config: cfgmod.KernelConfig | ConfigError = cfgmod.resolve(ns)
+    except ConfigError as e:
+        # start anyway: the frontend gets a kernel that explains the problem in the first
+        # cell, instead of one that dies and restarts forever
+        config = e
+    from dist_kernel.kernel import launch
+
+    launch(ns.connection_file, config)
+    return 0
+
+
+def cmd_install(ns: argparse.Namespace) -> int:
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    try:
+        cfgmod.resolve(ns)  # fail now, not at the first cell
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    options = cfgmod.option_argv(ns)
+    display = ns.display_name or DEFAULT_DISPLAY_NAME
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_dir = Path(tmp) / ns.name
+        spec_dir.mkdir()
+        (spec_dir / "kernel.json").write_text(json.dumps(kernel_json(options, display), indent=2) + "\n")
+        dest = KernelSpecManager().install_kernel_spec(
+            str(spec_dir), kernel_name=ns.name, user=ns.user,
+            prefix=sys.prefix if ns.sys_prefix else ns.prefix)
+    print(f"Installed kernelspec {ns.name!r} ({display}) in {dest}")
+    return 0
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from dist_kernel.runner import run_notebook
+
+    try:
+        cfgmod.resolve(ns)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_notebook(ns.notebook, cfgmod.option_argv(ns), output=ns.output, cell_timeout=ns.cell_timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    return {"kernel": cmd_kernel, "install": cmd_install, "run": cmd_run}[ns.command](ns)

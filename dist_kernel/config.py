@@ -1,0 +1,194 @@
+"""Kernel configuration: one source of truth.
+
+Options come from the kernel's argv (written into kernel.json by ``python -m dist_kernel
+install``). Each option may be overridden by one environment variable; this table is the
+only place those overrides are defined, and the README's table is generated from it.
+
+| flag                | environment override          | meaning                                        |
+|---------------------|-------------------------------|------------------------------------------------|
+| --ranks N           | DIST_KERNEL_RANKS             | number of ranks (default: one per GPU, else 2) |
+| --gpus LIST         | DIST_KERNEL_GPUS              | physical GPUs, rank i on the i-th (e.g. 0,1)   |
+| --backend NAME      | DIST_KERNEL_BACKEND           | gloo or nccl (default: nccl with GPUs)         |
+| --timeout S         | DIST_KERNEL_TIMEOUT           | collective timeout in seconds (default 1800)   |
+| --startup-timeout S | DIST_KERNEL_STARTUP_TIMEOUT   | seconds for ranks to start and join (120)      |
+| --merge-window MS   | DIST_KERNEL_MERGE_WINDOW_MS   | ms to wait for other ranks' identical line (100)|
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+from dist_kernel.exceptions import ConfigError
+
+BACKENDS = ("gloo", "nccl")
+
+#: flag name -> environment variable that overrides it
+ENV_OVERRIDES: dict[str, str] = {
+    "ranks": "DIST_KERNEL_RANKS",
+    "gpus": "DIST_KERNEL_GPUS",
+    "backend": "DIST_KERNEL_BACKEND",
+    "timeout": "DIST_KERNEL_TIMEOUT",
+    "startup_timeout": "DIST_KERNEL_STARTUP_TIMEOUT",
+    "merge_window_ms": "DIST_KERNEL_MERGE_WINDOW_MS",
+}
+
+FIX_HINT = (
+    "Fix the option in the kernelspec (reinstall with `python -m dist_kernel install ...`) "
+    "or unset the environment override, then restart the kernel."
+)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Validated settings for one distributed kernel."""
+
+    world_size: int
+    backend: str
+    gpus: tuple[int, ...] = ()  # physical GPU ids; empty on CPU
+    timeout: float = 1800.0
+    startup_timeout: float = 120.0
+    merge_window: float = 0.1
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def uses_cuda(self) -> bool:
+        return bool(self.gpus)
+
+    def device_for(self, rank: int) -> str:
+        """Device string a rank will use, as seen inside the rank (CUDA ids are remapped)."""
+        if not self.gpus:
+            return "cpu"
+        return f"cuda:{rank % len(self.gpus)}"
+
+    def describe(self) -> str:
+        devices = ", ".join(f"physical GPU {g}" for g in self.gpus) if self.gpus else "CPU"
+        return f"{self.world_size} ranks, backend {self.backend}, devices: {devices}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the kernel options to a parser (shared by `kernel`, `install` and `run`)."""
+    parser.add_argument("--ranks", default=None, help="number of ranks (default: one per GPU, else 2)")
+    parser.add_argument("--gpus", default=None, help="comma list of physical GPU ids, rank i on the i-th")
+    parser.add_argument("--backend", default=None, help="gloo or nccl (default: nccl when GPUs are used)")
+    parser.add_argument("--timeout", default=None, help="collective timeout in seconds (default 1800)")
+    parser.add_argument("--startup-timeout", dest="startup_timeout", default=None,
+                        help="seconds for ranks to start and form the group (default 120)")
+    parser.add_argument("--merge-window-ms", dest="merge_window_ms", default=None,
+                        help="ms to wait for identical output from other ranks (default 100)")
+
+
+def option_argv(ns: argparse.Namespace) -> list[str]:
+    """The flags of `ns` that were given, as argv (to write them into kernel.json)."""
+    argv: list[str] = []
+    for name in ENV_OVERRIDES:
+        value = getattr(ns, name, None)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
+def visible_gpus(environ: dict[str, str] | None = None) -> list[int]:
+    """GPU ids this process may use, found without importing torch (the parent stays light).
+
+    Honours CUDA_VISIBLE_DEVICES; otherwise asks ``nvidia-smi -L``.
+    """
+    env = os.environ if environ is None else environ
+    mask = env.get("CUDA_VISIBLE_DEVICES")
+    if mask is not None:
+        ids = [p.strip() for p in mask.split(",") if p.strip()]
+        if not ids or ids[0].startswith("-"):
+            return []
+        return list(range(len(ids)))
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [i for i, line in enumerate(x for x in out.splitlines() if x.startswith("GPU "))]
+
+
+def _int(name: str, raw: str, minimum: int) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"--{name.replace('_', '-')} {raw!r} is not a whole number. {FIX_HINT}") from None
+    if value < minimum:
+        raise ConfigError(f"--{name.replace('_', '-')} {value} must be at least {minimum}. {FIX_HINT}")
+    return value
+
+
+def _float(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"--{name.replace('_', '-')} {raw!r} is not a number. {FIX_HINT}") from None
+    if value <= 0:
+        raise ConfigError(f"--{name.replace('_', '-')} {value} must be positive. {FIX_HINT}")
+    return value
+
+
+def resolve(ns: argparse.Namespace, environ: dict[str, str] | None = None,
+            available_gpus: list[int] | None = None) -> KernelConfig:
+    """Turn flags (+ environment overrides) into a validated :class:`KernelConfig`.
+
+    Raises :class:`ConfigError` with a message naming the option and the fix.
+    """
+    env = os.environ if environ is None else environ
+    raw: dict[str, str | None] = {}
+    for name, var in ENV_OVERRIDES.items():
+        raw[name] = env.get(var) or getattr(ns, name, None)
+
+    gpus_avail = visible_gpus(env) if available_gpus is None else available_gpus
+    warnings: list[str] = []
+
+    gpus: list[int] = []
+    if raw["gpus"] not in (None, ""):
+        text = str(raw["gpus"]).strip()
+        if text.lower() in ("none", "cpu"):
+            gpus = []
+        else:
+            try:
+                gpus = [int(p) for p in text.split(",") if p.strip()]
+            except ValueError:
+                raise ConfigError(f"--gpus {text!r} must be a comma list of GPU ids like 0,1. {FIX_HINT}") from None
+            missing = [g for g in gpus if g not in gpus_avail]
+            if missing:
+                have = ", ".join(map(str, gpus_avail)) or "none"
+                raise ConfigError(
+                    f"--gpus {text}: GPU {', '.join(map(str, missing))} does not exist on this machine "
+                    f"(visible GPUs: {have}). {FIX_HINT}")
+            if len(set(gpus)) != len(gpus):
+                raise ConfigError(f"--gpus {text} lists a GPU twice. {FIX_HINT}")
+    else:
+        gpus = list(gpus_avail)
+
+    backend = (raw["backend"] or ("nccl" if gpus else "gloo")).lower()
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend {raw['backend']!r} is unknown; use one of {', '.join(BACKENDS)}. {FIX_HINT}")
+    if backend == "nccl" and not gpus:
+        raise ConfigError(f"--backend nccl needs GPUs, and none is visible; use --backend gloo. {FIX_HINT}")
+
+    if raw["ranks"] is not None:
+        world = _int("ranks", str(raw["ranks"]), 1)
+    else:
+        world = len(gpus) if gpus else 2
+    if backend == "nccl" and world > len(gpus):
+        raise ConfigError(
+            f"--ranks {world} with nccl needs {world} GPUs but only {len(gpus)} are selected "
+            f"(NCCL cannot put two ranks on one GPU); use fewer ranks or --backend gloo. {FIX_HINT}")
+    if gpus and world < len(gpus):
+        gpus = gpus[:world]
+    if gpus and world > len(gpus):
+        warnings.append(f"{world} ranks share {len(gpus)} GPU(s) over gloo.")
+
+    timeout = _float("timeout", raw["timeout"]) if raw["timeout"] else 1800.0
+    startup = _float("startup_timeout", raw["startup_timeout"]) if raw["startup_timeout"] else 120.0
+    window = _float("merge_window_ms", raw["merge_window_ms"]) / 1000 if raw["merge_window_ms"] else 0.1
+    return KernelConfig(world_size=world, backend=backend, gpus=tuple(gpus), timeout=timeout,
+                        startup_timeout=startup, merge_window=window, warnings=tuple(warnings))

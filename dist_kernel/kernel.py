@@ -1,0 +1,303 @@
+"""The parent kernel: speaks Jupyter to the frontend, routes cells to ranks, merges outputs.
+
+It never imports torch. Handlers follow ipykernel's naming (``do_execute``, ...). Rank
+traffic lives on the main event loop; control-channel handlers (interrupt, shutdown) run on
+ipykernel's control thread and cross over with ``run_coroutine_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import signal
+import sys
+import time
+from collections import OrderedDict
+from typing import Any
+
+from ipykernel.kernelapp import IPKernelApp
+from ipykernel.kernelbase import Kernel
+from traitlets import Any as AnyTrait
+
+from dist_kernel import __version__
+from dist_kernel.config import KernelConfig
+from dist_kernel.exceptions import ConfigError, RankDiedError, RankSpecError
+from dist_kernel.execution import CellRun
+from dist_kernel.magics import plan_cell
+from dist_kernel.supervisor import RankSupervisor
+
+#: how many finished cells' child msg_ids are remembered, to place late output
+_RECENT = 64
+
+
+def _error_content(ename: str, evalue: str, hint: str = "") -> dict:
+    tb = [f"\x1b[1;31m{ename}\x1b[0m: {evalue}"] + ([hint] if hint else [])
+    return {"ename": ename, "evalue": evalue, "traceback": tb}
+
+
+class DistributedKernel(Kernel):
+    """Runs each cell on N ranks that form one torch.distributed process group."""
+
+    implementation = "dist_kernel"
+    implementation_version = __version__
+    language_info = {
+        "name": "python",
+        "version": ".".join(map(str, sys.version_info[:3])),
+        "mimetype": "text/x-python",
+        "codemirror_mode": {"name": "ipython", "version": 3},
+        "pygments_lexer": "ipython3",
+        "nbconvert_exporter": "python",
+        "file_extension": ".py",
+    }
+    help_links = [{"text": "dist_kernel", "url": "https://pypi.org/project/dist-kernel/"}]
+
+    dist_config = AnyTrait(None)  # KernelConfig, or the ConfigError found at launch
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.supervisor: RankSupervisor | None = None
+        self._runs: OrderedDict[str, tuple[CellRun, int]] = OrderedDict()  # child msg_id -> (run, rank)
+        self._main_loop: asyncio.AbstractEventLoop | None = None
+        self._current: CellRun | None = None
+
+    # ---------------------------------------------------------------- info
+    @property
+    def banner(self) -> str:  # type: ignore[override]
+        cfg = self.dist_config
+        if isinstance(cfg, KernelConfig):
+            return f"Distributed Python {__version__} (dist_kernel): {cfg.describe()}"
+        return f"Distributed Python {__version__} (dist_kernel): configuration error"
+
+    @property
+    def kernel_info(self) -> dict:
+        info = super().kernel_info
+        info["supported_features"] = []  # no debugger, no subshells: the parent cannot honour them
+        return info
+
+    # ------------------------------------------------------------- startup
+    def start(self) -> None:
+        super().start()
+        self._main_loop = asyncio.get_event_loop()
+        cfg = self.dist_config
+        if isinstance(cfg, KernelConfig):
+            self.supervisor = RankSupervisor(cfg, self._on_rank_iopub, self._on_rank_death, log=self.log)
+            atexit.register(self.supervisor.cleanup_sync)
+            self.io_loop.add_callback(self.supervisor.start)
+
+    async def _ready_error(self) -> dict | None:
+        """Wait for the ranks; the error to show if the kernel cannot run cells."""
+        cfg = self.dist_config
+        if isinstance(cfg, ConfigError):
+            return _error_content("ConfigError", str(cfg))
+        if self.supervisor is None:
+            return _error_content("ConfigError", "the kernel has no configuration")
+        await self.supervisor.ready.wait()
+        if self.supervisor.start_error:
+            return _error_content("RankStartError", self.supervisor.start_error)
+        dead = [r for r in self.supervisor.ranks.values() if not r.alive]
+        if dead:
+            what = "; ".join(f"rank {r.rank} {r.exit_reason}" for r in dead)
+            return _error_content(
+                "RankDiedError", what,
+                "The process group cannot continue without it. Restart the kernel "
+                "(Kernel > Restart) to start fresh ranks; variables are lost.")
+        return None
+
+    # ------------------------------------------------------------- execute
+    def _publish(self, parent: dict, msg_type: str, content: dict) -> None:
+        # explicit parent: relayed output is published from tasks outside the handler context
+        self.session.send(self.iopub_socket, msg_type, content, parent=parent, ident=self._topic(msg_type))
+
+    def _fail(self, parent: dict, err: dict, silent: bool) -> dict:
+        if not silent:
+            self._publish(parent, "error", err)
+        return {"status": "error", "execution_count": self.execution_count, **err}
+
+    async def do_execute(self, code: str, silent: bool, store_history: bool = True,
+                         user_expressions: dict | None = None, allow_stdin: bool = False,
+                         *, cell_meta: dict | None = None, cell_id: str | None = None) -> dict:
+        parent = self.get_parent("shell")
+        err = await self._ready_error()
+        if err:
+            return self._fail(parent, err, silent)
+        assert self.supervisor is not None
+        try:
+            plan = plan_cell(code, self.supervisor.config.world_size)
+        except RankSpecError as e:
+            return self._fail(parent, _error_content("RankSpecError", str(e)), silent)
+
+        run = CellRun(plan.ranks, lambda t, c: self._publish(parent, t, c), self.execution_count,
+                      window=self.supervisor.config.merge_window)
+        content = {"code": plan.code, "silent": silent, "store_history": store_history,
+                   "user_expressions": user_expressions or {}, "allow_stdin": False,
+                   "stop_on_error": False}
+        futures = {}
+        for rank in plan.ranks:
+            try:
+                msg_id, fut = self.supervisor.send(rank, "execute_request", content,
+                                                   metadata={"cellId": cell_id} if cell_id else None)
+            except RankDiedError as e:
+                run.on_rank_lost(rank, "RankDiedError", str(e))
+                continue
+            self._runs[msg_id] = (run, rank)
+            futures[rank] = fut
+            fut.add_done_callback(lambda f, rank=rank: self._on_reply(run, rank, f))
+        self._current = run
+        try:
+            error = await run.wait()
+        finally:
+            self._current = None
+            while len(self._runs) > _RECENT * max(1, len(plan.ranks)):
+                self._runs.popitem(last=False)
+
+        first = plan.ranks[0]
+        reply0 = run.replies.get(first, {})
+        if error is not None:
+            if not silent:
+                self._publish(parent, "error", error)
+            return {"status": "error", "execution_count": self.execution_count, **error}
+        return {"status": "ok", "execution_count": self.execution_count,
+                "user_expressions": reply0.get("user_expressions", {}),
+                # payloads (pager, set_next_input) from one rank only, or the frontend acts N times
+                "payload": reply0.get("payload", [])}
+
+    def _on_reply(self, run: CellRun, rank: int, fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            run.on_rank_lost(rank, "RankDiedError", str(exc),
+                             "Restart the kernel to start fresh ranks (the group cannot continue without it).")
+        else:
+            run.on_reply(rank, fut.result()["content"])
+
+    def _on_rank_iopub(self, rank: int, msg: dict) -> None:
+        parent_id = msg.get("parent_header", {}).get("msg_id")
+        entry = self._runs.get(parent_id)
+        if entry is None:
+            return  # setup code, or a request the parent made for itself
+        entry[0].on_iopub(rank, msg)
+
+    def _on_rank_death(self, rank: int, reason: str) -> None:
+        self.log.error("rank %d %s", rank, reason)
+        run = self._current
+        if run is not None:
+            r = self.supervisor.ranks[rank] if self.supervisor else None
+            tail = r.log_tail(15) if r else ""
+            run.on_rank_lost(rank, "RankDiedError", f"rank {rank} (pid {r.pid if r else '?'}) {reason}",
+                             (f"Last output of the rank process:\n{tail}\n" if tail.strip() else "")
+                             + "Restart the kernel to start fresh ranks; the group cannot continue without it.")
+
+    # ---------------------------------------------------------- control
+    def pre_handler_hook(self) -> None:
+        """Keep the parent's SIGINT handler (interrupt the ranks) while handling requests."""
+
+    def post_handler_hook(self) -> None:
+        """See :meth:`pre_handler_hook`."""
+
+    def _on_main(self, coro: Any) -> Any:
+        """Run a coroutine on the main loop from the control thread; await the result."""
+        assert self._main_loop is not None
+        fut = asyncio.run_coroutine_threadsafe(coro, self._main_loop)
+        return asyncio.wrap_future(fut)
+
+    async def interrupt_request(self, stream: Any, ident: Any, parent: dict) -> None:
+        """Interrupt every busy rank (interrupt_mode "message": the parent is not signalled)."""
+        content: dict = {"status": "ok"}
+        if self.supervisor is not None:
+            try:
+                await asyncio.wait_for(self._on_main(self._interrupt_busy()), 5)
+            except Exception as e:  # noqa: BLE001
+                content = {"status": "error", "ename": type(e).__name__, "evalue": str(e), "traceback": []}
+        self.session.send(stream, "interrupt_reply", content, parent, ident=ident)
+
+    async def _interrupt_busy(self) -> None:
+        run = self._current
+        assert self.supervisor is not None
+        await self.supervisor.interrupt(run.busy_ranks if run is not None else None)
+
+    async def do_shutdown(self, restart: bool) -> dict:
+        if self.supervisor is not None:
+            try:
+                await asyncio.wait_for(self._on_main(self.supervisor.shutdown()), 10)
+            except Exception:  # noqa: BLE001
+                self.log.exception("clean rank shutdown failed; killing ranks")
+            self.supervisor.cleanup_sync()
+        return {"status": "ok", "restart": restart}
+
+    # ----------------------------------------------------- simple requests
+    async def _ask_rank(self, msg_type: str, content: dict, fallback: dict) -> dict:
+        """Answer from rank 0, the rank that holds the user's variables."""
+        if self.supervisor is None or not self.supervisor.ready.is_set() or self.supervisor.start_error:
+            return fallback
+        try:
+            return await self.supervisor.request(0, msg_type, content)
+        except Exception:  # noqa: BLE001 - a dead or busy rank: answer without it
+            return fallback
+
+    async def do_complete(self, code: str, cursor_pos: int) -> dict:
+        return await self._ask_rank("complete_request", {"code": code, "cursor_pos": cursor_pos},
+                                    {"status": "ok", "matches": [], "cursor_start": cursor_pos,
+                                     "cursor_end": cursor_pos, "metadata": {}})
+
+    async def do_inspect(self, code: str, cursor_pos: int, detail_level: int = 0,
+                         omit_sections: tuple = ()) -> dict:
+        return await self._ask_rank("inspect_request", {"code": code, "cursor_pos": cursor_pos,
+                                                        "detail_level": detail_level},
+                                    {"status": "ok", "found": False, "data": {}, "metadata": {}})
+
+    async def do_is_complete(self, code: str) -> dict:
+        return await self._ask_rank("is_complete_request", {"code": code}, {"status": "unknown"})
+
+    async def do_history(self, hist_access_type: str, output: bool, raw: bool, session: int | None = None,
+                         start: int | None = None, stop: int | None = None, n: int | None = None,
+                         pattern: str | None = None, unique: bool = False) -> dict:
+        content = {"hist_access_type": hist_access_type, "output": output, "raw": raw,
+                   "session": session, "start": start, "stop": stop, "n": n, "pattern": pattern,
+                   "unique": unique}
+        return await self._ask_rank("history_request", content, {"status": "ok", "history": []})
+
+
+class DistributedKernelApp(IPKernelApp):
+    """IPKernelApp that runs :class:`DistributedKernel` and keeps its own prints off IOPub."""
+
+    name = "dist-kernel"
+    kernel_class = DistributedKernel
+    outstream_class = None  # the parent's own prints go to its log, never into a cell
+    dist_config = AnyTrait(None)
+
+    def init_control(self, context: Any) -> None:
+        super().init_control(context)
+        # no subshells: shell messages are handled on the main loop, where the rank clients live
+        self.shell_channel_thread = None
+
+    def init_signal(self) -> None:
+        # SIGINT reaching the parent (signal-mode frontends, a terminal) interrupts the ranks
+        # instead of killing the parent; SIGTERM ends the ranks before the parent goes.
+        def on_sigint(*_: Any) -> None:
+            kernel = self.kernel
+            if kernel is not None and kernel._main_loop is not None and kernel.supervisor is not None:
+                kernel._main_loop.call_soon_threadsafe(
+                    lambda: asyncio.ensure_future(kernel._interrupt_busy()))
+
+        def on_sigterm(*_: Any) -> None:
+            kernel = self.kernel
+            if kernel is not None and kernel.supervisor is not None:
+                kernel.supervisor.cleanup_sync()
+            raise SystemExit(0)
+
+        signal.signal(signal.SIGINT, on_sigint)
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def init_kernel(self) -> None:
+        super().init_kernel()
+        self.kernel.dist_config = self.dist_config
+
+
+def launch(connection_file: str, config: KernelConfig | ConfigError, extra_argv: list[str] | None = None) -> None:
+    """Start the parent kernel (what kernel.json's argv runs)."""
+    app = DistributedKernelApp.instance(dist_config=config)
+    app.initialize(["-f", connection_file, *(extra_argv or [])])
+    started = time.monotonic()
+    app.log.info("dist_kernel parent up in %.3fs", time.monotonic() - started)
+    app.start()

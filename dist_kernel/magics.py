@@ -1,0 +1,85 @@
+"""Magics the parent understands before a cell reaches the ranks.
+
+``%%rank SPEC`` on a cell's first line selects the ranks that run the rest of the cell.
+SPEC is ``all``, a rank (``0``), a list (``0,2``), a range (``1-3``), a mix (``0,2-3``),
+optionally in brackets (``[0,1]``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dist_kernel.exceptions import RankSpecError
+
+_RANK_LINE = re.compile(r"^\s*%%rank(?:\s+(?P<spec>.*?))?\s*$")
+_PIECE = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    """What the parent does with one cell: which ranks run which code."""
+
+    ranks: tuple[int, ...]
+    code: str
+    selected: bool  # True when the cell named its ranks with %%rank
+
+
+def parse_rank_spec(spec: str, world_size: int) -> tuple[int, ...]:
+    """Parse a rank selection into sorted rank ids, validating against the world size."""
+    text = spec.strip()
+    hint = (f"This kernel has ranks 0-{world_size - 1}; write e.g. `%%rank all`, `%%rank 0`, "
+            f"`%%rank 0,{world_size - 1}` or `%%rank 0-{world_size - 1}`.")
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1].strip()
+    if not text:
+        raise RankSpecError(f"%%rank needs a rank selection. {hint}")
+    if text.lower() == "all":
+        return tuple(range(world_size))
+    ranks: set[int] = set()
+    for piece in text.split(","):
+        m = _PIECE.match(piece.strip())
+        if not m:
+            raise RankSpecError(f"%%rank {spec.strip()!r}: cannot parse {piece.strip()!r}. {hint}")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise RankSpecError(f"%%rank {spec.strip()!r}: range {lo}-{hi} runs backwards. {hint}")
+        ranks.update(range(lo, hi + 1))
+    missing = sorted(r for r in ranks if r >= world_size)
+    if missing:
+        raise RankSpecError(
+            f"%%rank {spec.strip()!r}: rank {format_ranks(missing)} does not exist; "
+            f"{hint}")
+    return tuple(sorted(ranks))
+
+
+def plan_cell(code: str, world_size: int) -> CellPlan:
+    """Split off a leading ``%%rank`` line (blank lines before it allowed)."""
+    lines = code.split("\n")
+    first = next((i for i, line in enumerate(lines) if line.strip()), None)
+    if first is not None:
+        m = _RANK_LINE.match(lines[first])
+        if m:
+            ranks = parse_rank_spec(m.group("spec") or "", world_size)
+            # keep line numbers in tracebacks right: blank out the magic line instead of deleting it
+            body = "\n".join([""] * (first + 1) + lines[first + 1:])
+            return CellPlan(ranks=ranks, code=body, selected=True)
+    return CellPlan(ranks=tuple(range(world_size)), code=code, selected=False)
+
+
+def format_ranks(ranks: list[int] | tuple[int, ...]) -> str:
+    """Compact form of a rank list: ``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    out: list[str] = []
+    ordered = sorted(set(ranks))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        if j - i >= 2:
+            out.append(f"{ordered[i]}-{ordered[j]}")
+        else:
+            out.extend(str(r) for r in ordered[i:j + 1])
+        i = j + 1
+    return ",".join(out)

@@ -1,0 +1,331 @@
+"""Merge the outputs of N ranks into the outputs of one cell.
+
+Pure logic, no I/O: the parent feeds each rank's IOPub outputs in, with the time they
+arrived, and takes back the messages to publish.
+
+Each rank's outputs form an ordered queue of *items*: a stream line (text up to and
+including ``\\n``), a rich output, a display update or a ``clear_output``. The merger aligns
+the queues like a diff:
+
+- an item that every participating rank produced identically is published once, unlabelled,
+  so the saved notebook reads like a single-process run;
+- an item that differs, or that only some ranks produced, is published labelled with the
+  ranks that produced it (``[rank 1] ...``, or ``[rank 0,2] ...`` for a subset);
+- an item waits at most ``window`` seconds for its twins from the other ranks, so output
+  stays live; each rank's own order is always kept; nothing is dropped.
+
+Errors are not published inline: :func:`merge_errors` turns all ranks' errors into the one
+``error`` output a cell may have.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections import Counter, deque
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from dist_kernel.magics import format_ranks
+
+Emit = tuple[str, dict]  # (msg_type, content)
+
+RICH_TYPES = ("display_data", "execute_result", "update_display_data")
+
+
+def label(ranks: Sequence[int]) -> str:
+    """The prefix that marks output as coming from these ranks only."""
+    return f"[rank {format_ranks(ranks)}] "
+
+
+def namespaced_display_id(display_id: str, rank: int) -> str:
+    """Display ids are per rank, so two ranks showing id X never overwrite each other."""
+    return f"{display_id}@rank{rank}"
+
+
+@dataclass
+class _Item:
+    kind: str  # "stream" or an IOPub msg_type
+    key: Hashable
+    content: dict
+    t: float
+
+
+@dataclass
+class _Partial:
+    text: str = ""
+    t: float = 0.0
+
+
+@dataclass
+class _OpenLine:
+    """A stream line left without its newline, and whose label it carries."""
+
+    label: str | None
+    after_cr: bool = False
+
+
+def _split_lines(text: str) -> tuple[list[str], str]:
+    """Split into complete lines (keeping ``\\n``) and the unfinished rest."""
+    parts = text.split("\n")
+    return [p + "\n" for p in parts[:-1]], parts[-1]
+
+
+def _json_key(obj: object) -> str:
+    return json.dumps(obj, sort_keys=True, default=str)
+
+
+@dataclass
+class CellMerger:
+    """Merges one cell's outputs from ``ranks``; see the module docstring."""
+
+    ranks: Sequence[int]
+    window: float = 0.1
+    max_pending: int = 20_000  # per rank; beyond it the oldest item is published labelled
+    errors: dict[int, dict] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.ranks = tuple(self.ranks)
+        self._queues: dict[int, deque[_Item]] = {r: deque() for r in self.ranks}
+        self._counts: dict[int, Counter] = {r: Counter() for r in self.ranks}
+        self._partials: dict[tuple[int, str], _Partial] = {}
+        self._done: set[int] = set()
+        self._out: list[Emit] = []
+        self._open: dict[str, _OpenLine] = {}
+
+    # ----------------------------------------------------------------- input
+    def add(self, rank: int, msg_type: str, content: dict, now: float) -> None:
+        """Feed one IOPub output of ``rank``."""
+        if msg_type == "stream":
+            self._add_stream(rank, content.get("name", "stdout"), content.get("text", ""), now)
+        elif msg_type == "error":
+            self.errors.setdefault(rank, content)
+        elif msg_type in RICH_TYPES:
+            self._add_rich(rank, msg_type, content, now)
+        elif msg_type == "clear_output":
+            self._flush_partials(rank, now)
+            self._push(rank, _Item("clear_output", ("clear_output", bool(content.get("wait"))), content, now))
+        self._drain(now)
+
+    def rank_done(self, rank: int, now: float) -> None:
+        """``rank`` will send nothing more for this cell."""
+        self._flush_partials(rank, now, force=True)
+        self._done.add(rank)
+        self._drain(now)
+
+    def poll(self, now: float) -> None:
+        """Let waiting items and unfinished lines time out."""
+        for (rank, _name), part in list(self._partials.items()):
+            if part.text and now - part.t >= self.window:
+                self._flush_partials(rank, now, force=True)
+        self._drain(now)
+
+    def finish(self, now: float) -> None:
+        """The cell is over: publish everything still held."""
+        for rank in self.ranks:
+            self._flush_partials(rank, now, force=True)
+            self._done.add(rank)
+        self._drain(now, final=True)
+
+    @property
+    def pending(self) -> int:
+        return sum(len(q) for q in self._queues.values()) + sum(
+            1 for p in self._partials.values() if p.text)
+
+    def take(self) -> list[Emit]:
+        """Messages to publish now, consecutive stream text of one name coalesced."""
+        out: list[Emit] = []
+        for msg_type, content in self._out:
+            if (msg_type == "stream" and out and out[-1][0] == "stream"
+                    and out[-1][1]["name"] == content["name"]):
+                out[-1] = ("stream", {"name": content["name"], "text": out[-1][1]["text"] + content["text"]})
+            else:
+                out.append((msg_type, content))
+        self._out = []
+        return out
+
+    # ------------------------------------------------------------ internals
+    def _add_stream(self, rank: int, name: str, text: str, now: float) -> None:
+        part = self._partials.setdefault((rank, name), _Partial())
+        if not part.text:
+            part.t = now
+        lines, rest = _split_lines(part.text + text)
+        t0 = part.t
+        for line in lines:
+            self._push(rank, _Item("stream", ("stream", name, line), {"name": name, "text": line}, t0))
+            t0 = now
+        part.text, part.t = rest, (now if lines else part.t)
+
+    def _flush_partials(self, rank: int, now: float, force: bool = False) -> None:
+        for name in ("stdout", "stderr"):
+            part = self._partials.get((rank, name))
+            if part and part.text and (force or now - part.t >= self.window):
+                self._push(rank, _Item("stream", ("stream", name, part.text),
+                                       {"name": name, "text": part.text}, part.t))
+                part.text = ""
+
+    def _add_rich(self, rank: int, msg_type: str, content: dict, now: float) -> None:
+        self._flush_partials(rank, now, force=True)  # keep print-then-display order
+        content = dict(content)
+        display_id = (content.get("transient") or {}).get("display_id")
+        if display_id is not None:
+            content["transient"] = dict(content["transient"], display_id=namespaced_display_id(display_id, rank))
+            key: Hashable = (msg_type, "display_id", rank, display_id, id(content))  # never collapses
+        else:
+            key = (msg_type, _json_key(content.get("data")), _json_key(content.get("metadata")))
+        self._push(rank, _Item(msg_type, key, content, now))
+
+    def _push(self, rank: int, item: _Item) -> None:
+        self._queues[rank].append(item)
+        self._counts[rank][item.key] += 1
+
+    def _pop(self, rank: int) -> _Item:
+        item = self._queues[rank].popleft()
+        c = self._counts[rank]
+        c[item.key] -= 1
+        if not c[item.key]:
+            del c[item.key]
+        return item
+
+    def _drain(self, now: float, final: bool = False) -> None:
+        queues, parts = self._queues, self.ranks
+        while True:
+            live = [r for r in parts if queues[r]]
+            if not live:
+                return
+            if len(live) == len(parts):
+                key = queues[live[0]][0].key
+                if all(queues[r][0].key == key for r in live):
+                    items = [self._pop(r) for r in live]
+                    self._emit(items[0], None)
+                    continue
+                if self._match_deeper(live):
+                    continue
+            hopeless = final or any(r in self._done and not queues[r] for r in parts)
+            due = [r for r in live if hopeless or now - queues[r][0].t >= self.window
+                   or len(queues[r]) > self.max_pending]
+            if not due:
+                return
+            # publish every due head, in rank order, twins among the live heads together
+            popped: set[int] = set()
+            for r in due:
+                if r in popped:
+                    continue
+                head = queues[r][0]
+                group = [q for q in live if q not in popped and queues[q][0].key == head.key]
+                for q in group:
+                    self._pop(q)
+                popped.update(group)
+                self._emit(head, group)
+
+    def _match_deeper(self, live: list[int]) -> bool:
+        """Find a head item that every rank has queued; publish what precedes it, labelled."""
+        queues = self._queues
+        for r in sorted(live, key=lambda q: queues[q][0].t):
+            key = queues[r][0].key
+            if all(self._counts[q][key] for q in self.ranks):
+                for q in self.ranks:
+                    while queues[q][0].key != key:
+                        self._emit(self._pop(q), [q])
+                items = [self._pop(q) for q in self.ranks]
+                self._emit(items[0], None)
+                return True
+        return False
+
+    def _emit(self, item: _Item, ranks: list[int] | None) -> None:
+        """Publish ``item``; ``ranks`` None means all participants produced it."""
+        if ranks is not None and len(ranks) == len(self.ranks):
+            ranks = None
+        if item.kind == "stream":
+            self._emit_stream(item.content["name"], item.content["text"], None if ranks is None else label(ranks))
+            return
+        self._open.clear()  # a rich output starts a new output area
+        if item.kind == "clear_output" and ranks is not None and len(self.ranks) > 1:
+            # one rank clearing would wipe every rank's output: only a clear that all ranks
+            # asked for is forwarded
+            return
+        content = item.content
+        if ranks is not None and item.kind in RICH_TYPES:
+            content = _labelled_rich(content, ranks)
+        self._out.append((item.kind, content))
+
+    def _emit_stream(self, name: str, text: str, prefix: str | None) -> None:
+        state = self._open.get(name)
+        head = ""
+        if state is not None and state.label != prefix:
+            head = "\n"  # close the other ranks' unfinished line first
+            state = None
+        if prefix:
+            if state is None or state.after_cr:
+                head += prefix
+            # a '\r' returns to the line start: re-label after it so progress text keeps its rank
+            text = re.sub(r"\r(?!\n|$)", "\r" + prefix, text)
+            text = re.sub(r"\n(?!$)", "\n" + prefix, text)
+        text = head + text
+        if text.endswith("\n"):
+            self._open.pop(name, None)
+        else:
+            self._open[name] = _OpenLine(prefix, after_cr=text.endswith("\r"))
+        self._out.append(("stream", {"name": name, "text": text}))
+
+
+def _labelled_rich(content: dict, ranks: Sequence[int]) -> dict:
+    content = copy.deepcopy(content)
+    data = content.setdefault("data", {})
+    prefix = label(ranks)
+    if "text/plain" in data:
+        data["text/plain"] = prefix + data["text/plain"]
+    if "text/html" in data:
+        data["text/html"] = f"<pre style='margin:0'>{prefix.strip()}</pre>" + data["text/html"]
+    meta = content.get("metadata") or {}
+    content["metadata"] = dict(meta, dist_kernel={"ranks": list(ranks)})
+    return content
+
+
+# ---------------------------------------------------------------------- errors
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_CELL_NO = re.compile(r"(In\s*\[|Cell In\[)\d+(\])")
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def _error_key(err: dict) -> tuple:
+    tb = [_CELL_NO.sub(r"\1*\2", strip_ansi(line)) for line in err.get("traceback", [])]
+    return (err.get("ename"), err.get("evalue"), tuple(tb))
+
+
+def merge_errors(errors: dict[int, dict], ranks: Iterable[int]) -> dict | None:
+    """Combine the ranks' errors into the content of one ``error`` output (None if none).
+
+    The same error on several ranks shows once, saying on which; different errors show
+    each rank's traceback under a header naming the rank.
+    """
+    if not errors:
+        return None
+    ranks = tuple(ranks)
+    groups: dict[tuple, list[int]] = {}
+    for rank in sorted(errors):
+        groups.setdefault(_error_key(errors[rank]), []).append(rank)
+    first = errors[min(errors)]
+    if len(groups) == 1:
+        failing = next(iter(groups.values()))
+        where = f"all {len(ranks)} ranks" if len(failing) == len(ranks) and len(ranks) > 1 else (
+            f"rank {format_ranks(failing)}")
+        note = f"\x1b[1;31m[{where}]\x1b[0m the same error was raised on {where}" if len(ranks) > 1 else None
+        tb = list(first.get("traceback", []))
+        return {"ename": first.get("ename", "Error"), "evalue": first.get("evalue", ""),
+                "traceback": ([note] if note else []) + tb}
+    tb: list[str] = []
+    summary: list[str] = []
+    for group in groups.values():
+        err = errors[group[0]]
+        head = f"rank {format_ranks(group)}: {err.get('ename')}: {err.get('evalue')}"
+        summary.append(f"[{head}]")
+        tb.append(f"\x1b[1;31m━━━━ {head} ━━━━\x1b[0m")
+        tb.extend(err.get("traceback", []))
+    enames = {errors[g[0]].get("ename") for g in groups.values()}
+    ename = first.get("ename") if len(enames) == 1 else "DistributedError"
+    return {"ename": ename, "evalue": "; ".join(summary), "traceback": tb}

@@ -1,0 +1,325 @@
+"""Rank supervision: start the N child ipykernels, talk to them, watch them, end them.
+
+Each rank is a stock ipykernel started with ``sys.executable`` through jupyter_client, on
+IPC sockets in a private runtime directory (mode 0700), with its own HMAC key. Everything
+here runs on the parent's main event loop; other threads cross over with
+``asyncio.run_coroutine_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from jupyter_client import AsyncKernelManager
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+
+from dist_kernel.config import KernelConfig
+from dist_kernel.exceptions import RankDiedError, RankStartError
+from dist_kernel.merge import strip_ansi
+from dist_kernel.rendezvous import LOOPBACK_ENV, store_path
+
+LOG_TAIL_LINES = 30
+
+
+class _RankSpecManager(KernelSpecManager):
+    """Hands jupyter_client the plain ipykernel spec, bound to this interpreter."""
+
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:  # noqa: ARG002
+        return KernelSpec(
+            argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            display_name="dist_kernel rank", language="python", interrupt_mode="signal",
+        )
+
+
+def describe_exit(code: int | None) -> str:
+    """Human words for a process exit status."""
+    if code is None:
+        return "exited"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (often the out-of-memory killer)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with code {code}"
+
+
+@dataclass
+class Rank:
+    """One child ipykernel."""
+
+    rank: int
+    km: AsyncKernelManager
+    log_path: str
+    kc: object = None
+    exit_reason: str | None = None
+    device: str = ""
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    pending: dict[str, asyncio.Future] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int | None:
+        proc = getattr(self.km.provisioner, "process", None)
+        return proc.pid if proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.exit_reason is None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The end of what the rank process wrote outside Jupyter (C-level crashes land here)."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class RankSupervisor:
+    """Owns the rank processes of one kernel."""
+
+    def __init__(self, config: KernelConfig, on_iopub: Callable[[int, dict], None],
+                 on_death: Callable[[int, str], None], log: logging.Logger | None = None) -> None:
+        self.config = config
+        self.on_iopub = on_iopub
+        self.on_death = on_death
+        self.log = log or logging.getLogger("dist_kernel")
+        self.runtime_dir = tempfile.mkdtemp(prefix="dist_kernel-")  # 0700 by mkdtemp
+        self.ranks: dict[int, Rank] = {}
+        self.generation = 0
+        self.ready = asyncio.Event()
+        self.start_error: str | None = None
+        self._closing = False
+        self._watch_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------- startup
+    async def start(self) -> None:
+        """Start every rank in parallel and form the group; never raises, sets ``start_error``."""
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(self._start(), timeout=self.config.startup_timeout)
+            self.log.info("ranks ready in %.2fs", time.monotonic() - t0)
+        except asyncio.TimeoutError:
+            self.start_error = (
+                f"The ranks did not start and form the process group within "
+                f"{self.config.startup_timeout:.0f}s. {self._rank_states()}Fix: check the "
+                "environment (import torch works?), or raise --startup-timeout; then restart the kernel.")
+        except Exception as e:  # noqa: BLE001 - reported to the user in the first cell
+            self.start_error = str(e) if isinstance(e, RankStartError) else f"{type(e).__name__}: {e}"
+        if self.start_error:
+            await self.shutdown(now=True)
+        self.ready.set()
+
+    async def _start(self) -> None:
+        await asyncio.gather(*(self._launch(r) for r in range(self.config.world_size)))
+        self._watch_task = asyncio.ensure_future(self._watch())
+        await self.form_group()
+
+    def _env(self, rank: int) -> dict[str, str]:
+        cfg = self.config
+        env = dict(os.environ)  # KernelManager(env=...) replaces the whole environment
+        env.update({
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.world_size),
+            "LOCAL_WORLD_SIZE": str(cfg.world_size), "GROUP_RANK": "0", "NODE_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1", "JPY_PARENT_PID": str(os.getpid()),
+            "DIST_KERNEL_RANK": str(rank), "PYTHONUNBUFFERED": "1",
+        })
+        for key, value in LOOPBACK_ENV.items():
+            env.setdefault(key, value)
+        if cfg.gpus:
+            # the same mask for every rank, so LOCAL_RANK indexes it (what accelerate expects)
+            parent_mask = [p.strip() for p in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if p.strip()]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                parent_mask[g] if parent_mask else str(g) for g in cfg.gpus)
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+
+    async def _launch(self, rank: int) -> None:
+        km = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_RankSpecManager())
+        km.transport = "ipc"
+        km.ip = os.path.join(self.runtime_dir, f"rank{rank}")
+        km.connection_file = os.path.join(self.runtime_dir, f"rank{rank}.json")
+        km.autorestart = False  # a restarted rank could not silently rejoin the group
+        log_path = os.path.join(self.runtime_dir, f"rank{rank}.log")
+        r = Rank(rank=rank, km=km, log_path=log_path)
+        self.ranks[rank] = r
+        with open(log_path, "wb") as log_file:  # noqa: ASYNC230 - tiny local file
+            await km.start_kernel(env=self._env(rank), cwd=os.getcwd(), stdout=log_file,
+                                  stderr=log_file, stdin=asyncio.subprocess.DEVNULL)
+        kc = km.client()
+        kc.start_channels()
+        r.kc = kc
+        try:
+            await kc.wait_for_ready(timeout=self.config.startup_timeout)
+        except RuntimeError as e:
+            tail = r.log_tail()
+            raise RankStartError(
+                f"rank {rank} (pid {r.pid}) did not start: {e}\n{tail}\nFix: check that ipykernel "
+                f"works in {sys.executable}, then restart the kernel.") from None
+        r.tasks = [asyncio.ensure_future(self._pump_iopub(r)), asyncio.ensure_future(self._pump_shell(r))]
+
+    async def form_group(self) -> None:
+        """Every rank joins a fresh process group (a new store file per formation)."""
+        self.generation += 1
+        store = store_path(self.runtime_dir, self.generation)
+        cfg = self.config
+
+        async def join(rank: int) -> None:
+            args = dict(rank=rank, world_size=cfg.world_size, backend=cfg.backend, store=store,
+                        timeout=cfg.timeout, use_cuda=cfg.uses_cuda)
+            code = f"import dist_kernel.rendezvous as _dk_rdzv\n_dk_rdzv.join(**{args!r})"
+            reply = await self.run_silent(rank, code, {"device": "str(device)"})
+            if reply.get("status") != "ok":
+                tb = strip_ansi("\n".join(reply.get("traceback", [])[-6:])) or f"{reply.get('ename')}: {reply.get('evalue')}"
+                raise RankStartError(
+                    f"rank {rank} could not join the {cfg.backend} process group:\n{tb}\n"
+                    f"Fix: make sure `import torch` works in {sys.executable} and the options suit this "
+                    "machine, then restart the kernel.")
+            dev = reply.get("user_expressions", {}).get("device", {})
+            self.ranks[rank].device = dev.get("data", {}).get("text/plain", "").strip("'")
+
+        await asyncio.gather(*(join(r) for r in self.ranks))
+
+    # ------------------------------------------------------------ messaging
+    async def _pump_iopub(self, r: Rank) -> None:
+        while True:
+            try:
+                msg = await r.kc.get_iopub_msg()
+            except asyncio.CancelledError:
+                raise
+            except ValueError as e:  # bad HMAC signature or malformed: drop it
+                self.log.warning("rank %d: dropped an IOPub message: %s", r.rank, e)
+                continue
+            except Exception:  # noqa: BLE001 - socket closed at shutdown
+                if self._closing:
+                    return
+                self.log.exception("rank %d: IOPub reader failed", r.rank)
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                self.on_iopub(r.rank, msg)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the pump
+                self.log.exception("rank %d: error relaying %s", r.rank, msg.get("msg_type"))
+
+    async def _pump_shell(self, r: Rank) -> None:
+        while True:
+            try:
+                msg = await r.kc.get_shell_msg()
+            except asyncio.CancelledError:
+                raise
+            except ValueError as e:
+                self.log.warning("rank %d: dropped a shell message: %s", r.rank, e)
+                continue
+            except Exception:  # noqa: BLE001
+                if self._closing:
+                    return
+                self.log.exception("rank %d: shell reader failed", r.rank)
+                await asyncio.sleep(0.05)
+                continue
+            fut = r.pending.pop(msg["parent_header"].get("msg_id"), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def send(self, rank: int, msg_type: str, content: dict, metadata: dict | None = None) -> tuple[str, asyncio.Future]:
+        """Send a shell request to one rank; returns its msg_id and a future for the reply message."""
+        r = self.ranks[rank]
+        if not r.alive:
+            raise RankDiedError(f"rank {rank} {r.exit_reason}")
+        msg = r.kc.session.msg(msg_type, content, metadata=metadata or {})
+        fut = asyncio.get_running_loop().create_future()
+        r.pending[msg["header"]["msg_id"]] = fut
+        r.kc.shell_channel.send(msg)
+        return msg["header"]["msg_id"], fut
+
+    async def request(self, rank: int, msg_type: str, content: dict, timeout: float = 10.0) -> dict:
+        """Round trip of one shell request; returns the reply content."""
+        _, fut = self.send(rank, msg_type, content)
+        reply = await asyncio.wait_for(fut, timeout)
+        return reply["content"]
+
+    async def run_silent(self, rank: int, code: str, user_expressions: dict | None = None) -> dict:
+        """Execute setup code on one rank outside the user's history; returns the reply content."""
+        content = {"code": code, "silent": True, "store_history": False,
+                   "user_expressions": user_expressions or {}, "allow_stdin": False, "stop_on_error": False}
+        _, fut = self.send(rank, "execute_request", content)
+        return (await fut)["content"]
+
+    # ------------------------------------------------------------ liveness
+    async def _watch(self, interval: float = 0.2) -> None:
+        """Notice a rank process that exits, fail its requests, tell the kernel."""
+        while not self._closing:
+            for r in list(self.ranks.values()):
+                if r.alive and r.km.has_kernel and not await r.km.is_alive():
+                    proc = r.km.provisioner.process if r.km.provisioner else None
+                    code = proc.poll() if proc is not None else None
+                    r.exit_reason = describe_exit(code)
+                    err = RankDiedError(f"rank {r.rank} (pid {r.pid}) {r.exit_reason}")
+                    for fut in r.pending.values():
+                        if not fut.done():
+                            fut.set_exception(err)
+                    r.pending.clear()
+                    with contextlib.suppress(Exception):
+                        self.on_death(r.rank, r.exit_reason)
+            await asyncio.sleep(interval)
+
+    def _rank_states(self) -> str:
+        dead = [f"rank {r.rank} {r.exit_reason}" for r in self.ranks.values() if not r.alive]
+        return ("; ".join(dead) + ". ") if dead else ""
+
+    # ------------------------------------------------------------ control
+    async def interrupt(self, ranks: list[int] | None = None) -> None:
+        """SIGINT each named live rank (its whole process group, as Jupyter does)."""
+        for rank in ranks if ranks is not None else list(self.ranks):
+            r = self.ranks.get(rank)
+            if r is not None and r.alive and r.km.has_kernel:
+                with contextlib.suppress(Exception):
+                    await r.km.interrupt_kernel()
+
+    async def shutdown(self, now: bool = False) -> None:
+        """End every rank process and remove the runtime directory."""
+        self._closing = True
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+
+        async def stop(r: Rank) -> None:
+            for task in r.tasks:
+                task.cancel()
+            if r.kc is not None:
+                with contextlib.suppress(Exception):
+                    r.kc.stop_channels()
+            if r.km.has_kernel:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(r.km.shutdown_kernel(now=now), timeout=5 if not now else 3)
+            self.kill_now(r)
+
+        await asyncio.gather(*(stop(r) for r in self.ranks.values()), return_exceptions=True)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    def kill_now(self, r: Rank | None = None) -> None:
+        """SIGKILL rank process groups synchronously (used at exit, from any thread)."""
+        for rank in [r] if r is not None else list(self.ranks.values()):
+            pid = rank.pid
+            if pid is None:
+                continue
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)  # each rank leads its own process session
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    def cleanup_sync(self) -> None:
+        """Last-resort cleanup when the parent exits without a shutdown request."""
+        self._closing = True
+        self.kill_now()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)

@@ -1,0 +1,35 @@
+"""Shared fixtures: real Distributed Python kernels (real ipykernel ranks, real gloo group)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from harness import DistKernel  # noqa: E402
+
+ARTIFACTS = Path(os.environ.get("DIST_KERNEL_TEST_ARTIFACTS", Path(__file__).parent.parent / "test-artifacts"))
+
+
+@pytest.fixture(scope="module")
+def kernel2():
+    k = DistKernel("--ranks", "2")
+    yield k
+    k.shutdown()
+
+
+@pytest.fixture(scope="module")
+def kernel3():
+    k = DistKernel("--ranks", "3")
+    yield k
+    k.shutdown()
+
+
+@pytest.fixture
+def artifacts() -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    return ARTIFACTS

@@ -1,0 +1,90 @@
+"""Drive a real Distributed Python kernel through jupyter_client, as a frontend would."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import psutil
+from jupyter_client import KernelManager
+
+from dist_kernel.runner import spec_manager
+
+
+@dataclass
+class Output:
+    msg_type: str
+    content: dict
+    t: float  # seconds since the request was sent
+    wall: float = 0.0  # time.time() when it arrived
+
+    @property
+    def text(self) -> str:
+        if self.msg_type == "stream":
+            return self.content["text"]
+        return self.content.get("data", {}).get("text/plain", "")
+
+
+@dataclass
+class Result:
+    reply: dict
+    outputs: list[Output] = field(default_factory=list)
+    busy_idle: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        return self.reply["status"]
+
+    def stream(self, name: str = "stdout") -> str:
+        return "".join(o.content["text"] for o in self.outputs if o.msg_type == "stream" and o.content["name"] == name)
+
+    def of_type(self, msg_type: str) -> list[Output]:
+        return [o for o in self.outputs if o.msg_type == msg_type]
+
+
+class DistKernel:
+    """A started kernel with a blocking client."""
+
+    def __init__(self, *options: str, env: dict | None = None, ready_timeout: float = 60) -> None:
+        self.km = KernelManager(kernel_name="distributed-python", kernel_spec_manager=spec_manager(list(options)))
+        kw = {"env": {**os.environ, **env}} if env else {}
+        self.km.start_kernel(**kw)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=ready_timeout)
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.process.pid
+
+    def rank_pids(self) -> list[int]:
+        return [p.pid for p in psutil.Process(self.pid).children() if "ipykernel_launcher" in " ".join(p.cmdline())]
+
+    def execute(self, code: str, timeout: float = 120, **kw) -> Result:
+        msg_id = self.kc.execute(code, **kw)
+        t0 = time.monotonic()
+        res = Result(reply={})
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=timeout)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            mt = msg["msg_type"]
+            if mt == "status":
+                res.busy_idle.append(msg["content"]["execution_state"])
+                if msg["content"]["execution_state"] == "idle":
+                    break
+                continue
+            if mt == "execute_input":
+                continue
+            res.outputs.append(Output(mt, msg["content"], time.monotonic() - t0, time.time()))
+        while True:
+            reply = self.kc.get_shell_msg(timeout=timeout)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                res.reply = reply["content"]
+                return res
+
+    def shutdown(self) -> None:
+        self.kc.stop_channels()
+        if self.km.has_kernel:
+            self.km.shutdown_kernel(now=False)

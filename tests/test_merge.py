@@ -1,0 +1,183 @@
+"""Output merging, as a specification: what a cell shows when N ranks print."""
+
+from __future__ import annotations
+
+import random
+import re
+
+from dist_kernel.merge import CellMerger, merge_errors, namespaced_display_id
+
+W = 0.1  # merge window used throughout
+
+
+def streams(emits, name="stdout"):
+    return "".join(c["text"] for t, c in emits if t == "stream" and c["name"] == name)
+
+
+def run(merger: CellMerger, events, end: float = 10.0):
+    """Feed (time, rank, msg_type, content) events, polling as the parent does; return all emits."""
+    out = []
+    for now, rank, msg_type, content in sorted(events, key=lambda e: e[0]):
+        merger.poll(now)
+        merger.add(rank, msg_type, content, now)
+        out += merger.take()
+    merger.finish(end)
+    return out + merger.take()
+
+
+def say(t, rank, text, name="stdout"):
+    return (t, rank, "stream", {"name": name, "text": text})
+
+
+class TestStreams:
+    def test_a_line_every_rank_prints_identically_appears_once_unlabelled(self):
+        out = run(CellMerger([0, 1], W), [say(0, 0, "epoch 1\n"), say(0.01, 1, "epoch 1\n")])
+        assert streams(out) == "epoch 1\n"
+
+    def test_lines_that_differ_are_labelled_with_their_rank_in_rank_order(self):
+        out = run(CellMerger([0, 1], W), [say(0, 1, "loss 0.5\n"), say(0.01, 0, "loss 0.7\n")])
+        assert streams(out) == "[rank 0] loss 0.7\n[rank 1] loss 0.5\n"
+
+    def test_a_line_some_ranks_share_is_labelled_with_that_subset(self):
+        events = [say(0, 0, "a\n"), say(0, 1, "a\n"), say(0, 2, "b\n")]
+        assert streams(run(CellMerger([0, 1, 2], W), events)) == "[rank 0,1] a\n[rank 2] b\n"
+
+    def test_a_line_only_one_rank_prints_does_not_break_collapsing_of_the_rest(self):
+        events = [say(0, 0, "only rank 0\ncommon\n"), say(0.02, 1, "common\n")]
+        assert streams(run(CellMerger([0, 1], W), events)) == "[rank 0] only rank 0\ncommon\n"
+
+    def test_each_ranks_order_is_kept_and_nothing_is_lost(self):
+        rng = random.Random(7)
+        texts = {r: [f"{'same' if rng.random() < 0.5 else f'r{r}'} {i}\n" for i in range(200)] for r in range(3)}
+        events = []
+        for r, lines in texts.items():
+            t = 0.0
+            for line in lines:
+                t += rng.random() * 0.03
+                events.append(say(t, r, line))
+        out = streams(run(CellMerger([0, 1, 2], W), events, end=100))
+        per_rank = {r: [] for r in range(3)}
+        for line in out.splitlines(keepends=True):
+            m = re.match(r"\[rank ([\d,-]+)\] (.*)", line, re.S)
+            owners = _expand(m.group(1)) if m else [0, 1, 2]
+            for r in owners:
+                per_rank[r].append(m.group(2) if m else line)
+        assert per_rank == texts
+
+    def test_stdout_and_stderr_stay_apart(self):
+        out = run(CellMerger([0, 1], W), [say(0, 0, "out\n"), say(0, 1, "out\n"),
+                                          say(0, 0, "err\n", "stderr"), say(0, 1, "err\n", "stderr")])
+        assert streams(out, "stdout") == "out\n"
+        assert streams(out, "stderr") == "err\n"
+
+    def test_a_line_waits_at_most_the_window_for_its_twins(self):
+        m = CellMerger([0, 1], W)
+        m.add(0, "stream", {"name": "stdout", "text": "early\n"}, 0.0)
+        m.poll(0.05)
+        assert m.take() == []
+        m.poll(0.1)
+        assert streams(m.take()) == "[rank 0] early\n"
+
+    def test_a_single_rank_cell_is_never_labelled_nor_delayed(self):
+        m = CellMerger([1], W)
+        m.add(1, "stream", {"name": "stdout", "text": "hi\n"}, 0.0)
+        assert streams(m.take()) == "hi\n"
+
+    def test_an_unfinished_line_is_published_after_the_window_and_continued_without_a_second_label(self):
+        m = CellMerger([0, 1], W)
+        m.add(0, "stream", {"name": "stdout", "text": "working"}, 0.0)
+        m.poll(0.25)
+        m.add(0, "stream", {"name": "stdout", "text": "... done\n"}, 0.3)
+        m.finish(1.0)
+        assert streams(m.take()) == "[rank 0] working... done\n"
+
+    def test_carriage_return_progress_keeps_its_label(self):
+        m = CellMerger([0, 1], W)
+        m.add(1, "stream", {"name": "stdout", "text": "10%\r20%\r"}, 0.0)
+        m.finish(1.0)
+        assert streams(m.take()) == "[rank 1] 10%\r[rank 1] 20%\r"
+
+    def test_a_finished_rank_does_not_hold_back_the_others(self):
+        m = CellMerger([0, 1], W)
+        m.rank_done(1, 0.0)
+        m.add(0, "stream", {"name": "stdout", "text": "late\n"}, 0.01)
+        assert streams(m.take()) == "[rank 0] late\n"
+
+    def test_output_is_bounded_when_one_rank_floods(self):
+        m = CellMerger([0, 1], W, max_pending=100)
+        for i in range(1000):
+            m.add(0, "stream", {"name": "stdout", "text": f"{i}\n"}, 0.0)
+        assert m.pending <= 101
+
+
+class TestRichOutput:
+    def test_identical_results_show_once_without_label(self):
+        c = {"data": {"text/plain": "2"}, "metadata": {}, "execution_count": 3}
+        out = run(CellMerger([0, 1], W), [(0, 0, "execute_result", c), (0, 1, "execute_result", c)])
+        assert [t for t, _ in out] == ["execute_result"]
+        assert out[0][1]["data"] == {"text/plain": "2"}
+
+    def test_differing_results_are_each_shown_labelled_with_the_rank_in_metadata(self):
+        out = run(CellMerger([0, 1], W), [
+            (0, 0, "execute_result", {"data": {"text/plain": "0", "text/html": "<b>0</b>"}, "metadata": {}}),
+            (0, 1, "execute_result", {"data": {"text/plain": "1"}, "metadata": {}})])
+        assert [c["data"]["text/plain"] for _, c in out] == ["[rank 0] 0", "[rank 1] 1"]
+        assert [c["metadata"]["dist_kernel"]["ranks"] for _, c in out] == [[0], [1]]
+        assert "[rank 0]" in out[0][1]["data"]["text/html"]
+
+    def test_display_ids_never_collide_across_ranks(self):
+        c = {"data": {"text/plain": "x"}, "metadata": {}, "transient": {"display_id": "bar"}}
+        out = run(CellMerger([0, 1], W), [(0, 0, "display_data", c), (0, 1, "display_data", c),
+                                          (0.5, 1, "update_display_data", c)])
+        ids = [c["transient"]["display_id"] for _, c in out]
+        assert ids == [namespaced_display_id("bar", 0), namespaced_display_id("bar", 1),
+                       namespaced_display_id("bar", 1)]
+
+    def test_print_then_display_keeps_order(self):
+        out = run(CellMerger([0, 1], W), [say(0, 0, "before\n"), say(0, 1, "before\n"),
+                                          (0, 0, "display_data", {"data": {"text/plain": "fig"}, "metadata": {}}),
+                                          (0, 1, "display_data", {"data": {"text/plain": "fig"}, "metadata": {}})])
+        assert [t for t, _ in out] == ["stream", "display_data"]
+
+    def test_clear_output_from_every_rank_is_forwarded_once_from_one_rank_not_at_all(self):
+        c = {"wait": True}
+        both = run(CellMerger([0, 1], W), [(0, 0, "clear_output", c), (0, 1, "clear_output", c)])
+        one = run(CellMerger([0, 1], W), [(0, 0, "clear_output", c)])
+        assert [t for t, _ in both] == ["clear_output"]
+        assert one == []
+
+
+class TestErrors:
+    @staticmethod
+    def err(ename, evalue, n=1):
+        return {"ename": ename, "evalue": evalue,
+                "traceback": [f"\x1b[36mCell In[{n}], line 1\x1b[0m", f"{ename}: {evalue}"]}
+
+    def test_no_error_means_none(self):
+        assert merge_errors({}, [0, 1]) is None
+
+    def test_the_same_error_on_all_ranks_shows_once_saying_so(self):
+        e = merge_errors({0: self.err("ZeroDivisionError", "division by zero", 3),
+                          1: self.err("ZeroDivisionError", "division by zero", 5)}, [0, 1])
+        assert e["ename"] == "ZeroDivisionError" and e["evalue"] == "division by zero"
+        assert "all 2 ranks" in e["traceback"][0]
+        assert sum("ZeroDivisionError:" in line for line in e["traceback"]) == 1
+
+    def test_different_errors_name_each_failing_rank_with_its_traceback(self):
+        e = merge_errors({0: self.err("KeyError", "'x'"), 2: self.err("ValueError", "bad")}, [0, 1, 2])
+        assert e["ename"] == "DistributedError"
+        assert "rank 0: KeyError" in e["evalue"] and "rank 2: ValueError" in e["evalue"]
+        text = "\n".join(e["traceback"])
+        assert "KeyError: 'x'" in text and "ValueError: bad" in text
+
+    def test_an_error_on_some_ranks_names_them(self):
+        e = merge_errors({1: self.err("RuntimeError", "boom")}, [0, 1])
+        assert "rank 1" in e["traceback"][0]
+
+
+def _expand(spec: str) -> list[int]:
+    out: list[int] = []
+    for piece in spec.split(","):
+        lo, _, hi = piece.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
