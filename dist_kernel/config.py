@@ -12,6 +12,8 @@ only place those overrides are defined, and the README's table is generated from
 | --timeout S         | DIST_KERNEL_TIMEOUT           | collective timeout in seconds (default 1800)   |
 | --startup-timeout S | DIST_KERNEL_STARTUP_TIMEOUT   | seconds for ranks to start and join (120)      |
 | --merge-window MS   | DIST_KERNEL_MERGE_WINDOW_MS   | ms to wait for other ranks' identical line (100)|
+| --fastai on|off     | DIST_KERNEL_FASTAI            | make fastai train data-parallel unchanged (on) |
+| --seed N            | DIST_KERNEL_SEED              | seed shared by all ranks (default: random)     |
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ ENV_OVERRIDES: dict[str, str] = {
     "timeout": "DIST_KERNEL_TIMEOUT",
     "startup_timeout": "DIST_KERNEL_STARTUP_TIMEOUT",
     "merge_window_ms": "DIST_KERNEL_MERGE_WINDOW_MS",
+    "fastai": "DIST_KERNEL_FASTAI",
+    "seed": "DIST_KERNEL_SEED",
 }
 
 FIX_HINT = (
@@ -52,6 +56,8 @@ class KernelConfig:
     timeout: float = 1800.0
     startup_timeout: float = 120.0
     merge_window: float = 0.1
+    fastai: bool = True
+    seed: int | None = None  # None: the parent draws one per start, shared by every rank
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -79,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds for ranks to start and form the group (default 120)")
     parser.add_argument("--merge-window-ms", dest="merge_window_ms", default=None,
                         help="ms to wait for identical output from other ranks (default 100)")
+    parser.add_argument("--fastai", default=None, help="on|off: fastai integration inside the ranks (default on)")
+    parser.add_argument("--seed", default=None, help="random seed shared by every rank (default: random)")
 
 
 def option_argv(ns: argparse.Namespace) -> list[str]:
@@ -190,5 +198,10 @@ def resolve(ns: argparse.Namespace, environ: dict[str, str] | None = None,
     timeout = _float("timeout", raw["timeout"]) if raw["timeout"] else 1800.0
     startup = _float("startup_timeout", raw["startup_timeout"]) if raw["startup_timeout"] else 120.0
     window = _float("merge_window_ms", raw["merge_window_ms"]) / 1000 if raw["merge_window_ms"] else 0.1
+    fastai_raw = str(raw["fastai"] or "on").lower()
+    if fastai_raw not in ("on", "off", "true", "false", "1", "0"):
+        raise ConfigError(f"--fastai {raw['fastai']!r} must be on or off. {FIX_HINT}")
+    seed = _int("seed", str(raw["seed"]), 0) if raw["seed"] not in (None, "") else None
     return KernelConfig(world_size=world, backend=backend, gpus=tuple(gpus), timeout=timeout,
-                        startup_timeout=startup, merge_window=window, warnings=tuple(warnings))
+                        startup_timeout=startup, merge_window=window,
+                        fastai=fastai_raw in ("on", "true", "1"), seed=seed, warnings=tuple(warnings))

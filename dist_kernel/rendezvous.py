@@ -21,7 +21,8 @@ def store_path(runtime_dir: str, generation: int) -> str:
 
 
 def join(rank: int, world_size: int, backend: str, store: str, timeout: float,
-         use_cuda: bool, local_rank: int | None = None) -> str:
+         use_cuda: bool, local_rank: int | None = None, seed: int | None = None,
+         fastai: bool = False) -> str:
     """Pin the device, form the group, define ``rank``/``world_size``/``local_rank``/``device``.
 
     Returns a short description of the device, for the kernel banner.
@@ -49,7 +50,28 @@ def join(rank: int, world_size: int, backend: str, store: str, timeout: float,
         dist.init_process_group(backend, store=dist.FileStore(store, world_size), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout), **kwargs)
     _define_names(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    if seed is not None:
+        seed_everything(seed)
+    if fastai:
+        from dist_kernel import fastai_integration
+
+        fastai_integration.install()
     return str(device)
+
+
+def seed_everything(seed: int) -> None:
+    """Give every rank the same seed, so unseeded random splits agree across ranks."""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed % 2**32)
 
 
 def _define_names(**names: object) -> None:

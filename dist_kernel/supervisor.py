@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import shutil
 import signal
 import sys
@@ -98,6 +99,8 @@ class RankSupervisor:
         self.runtime_dir = tempfile.mkdtemp(prefix="dist_kernel-")  # 0700 by mkdtemp
         self.ranks: dict[int, Rank] = {}
         self.generation = 0
+        # one seed for all ranks of this start (a fresh one per restart, unless --seed)
+        self.seed = config.seed if config.seed is not None else random.SystemRandom().randrange(2**31)
         self.ready = asyncio.Event()
         self.start_error: str | None = None
         self._closing = False
@@ -178,7 +181,7 @@ class RankSupervisor:
 
         async def join(rank: int) -> None:
             args = dict(rank=rank, world_size=cfg.world_size, backend=cfg.backend, store=store,
-                        timeout=cfg.timeout, use_cuda=cfg.uses_cuda)
+                        timeout=cfg.timeout, use_cuda=cfg.uses_cuda, seed=self.seed, fastai=cfg.fastai)
             code = f"import dist_kernel.rendezvous as _dk_rdzv\n_dk_rdzv.join(**{args!r})"
             reply = await self.run_silent(rank, code, {"device": "str(device)"})
             if reply.get("status") != "ok":
