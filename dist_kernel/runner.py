@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import uuid
 from pathlib import Path
 
 import nbformat
-from jupyter_client import AsyncKernelManager
+from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from jupyter_core.paths import jupyter_runtime_dir
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -32,9 +35,14 @@ def spec_manager(options: list[str]) -> KernelSpecManager:
     return ksm
 
 
-def kernel_manager(options: list[str]) -> AsyncKernelManager:
-    """A KernelManager that starts the distributed kernel with ``options``."""
-    return AsyncKernelManager(kernel_name="distributed-python", kernel_spec_manager=spec_manager(options))
+def kernel_manager(options: list[str]) -> KernelManager:
+    """A KernelManager that starts the distributed kernel with ``options``, over IPC sockets."""
+    km = KernelManager(kernel_name="distributed-python", kernel_spec_manager=spec_manager(options))
+    km.transport = "ipc"  # nothing on TCP at all, and no warning about unencrypted TCP
+    runtime = jupyter_runtime_dir()
+    os.makedirs(runtime, mode=0o700, exist_ok=True)
+    km.ip = os.path.join(runtime, f"dist-kernel-{uuid.uuid4().hex[:12]}-ipc")
+    return km
 
 
 def _print_outputs(cell: nbformat.NotebookNode, index: int) -> None:
@@ -51,7 +59,8 @@ def run_notebook(path: str, options: list[str], output: str | None = None,
                  cell_timeout: float | None = None) -> int:
     """Execute ``path`` on the distributed kernel; 0 on success, 1 naming the failing cell."""
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, km=kernel_manager(options), timeout=cell_timeout,
+    km = kernel_manager(options)
+    client = NotebookClient(nb, km=km, timeout=cell_timeout,
                             resources={"metadata": {"path": str(Path(path).resolve().parent)}},
                             on_cell_executed=lambda cell, cell_index, **_: _print_outputs(cell, cell_index))
     status = 0
@@ -64,6 +73,8 @@ def run_notebook(path: str, options: list[str], output: str | None = None,
         where = f"cell {failed + 1} of {len(nb.cells)}" if failed is not None else "a cell"
         print(f"\n{path}: {where} failed: {e.ename}: {strip_ansi(e.evalue)}", file=sys.stderr)
     finally:
+        if km.has_kernel:  # nbclient only shuts down kernels it created itself
+            km.shutdown_kernel(now=False)
         if output:
             nbformat.write(nb, output)
             print(f"wrote {output}", file=sys.stderr)

@@ -1,0 +1,104 @@
+"""Whole notebooks: nbclient, ``python -m dist_kernel run``, and installing the kernelspec."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from dist_kernel.runner import kernel_manager
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parent.parent
+EXAMPLE = ROOT / "examples" / "ddp_synthetic.ipynb"
+
+
+def notebook(*sources: str) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    return nb
+
+
+def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dist_kernel", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def test_nbclient_runs_a_notebook_and_the_saved_outputs_read_like_one_process():
+    nb = notebook("import torch.distributed as dist\nprint('group of', dist.get_world_size())",
+                  "print('rank', rank)", "world_size")
+    km = kernel_manager(["--ranks", "3"])
+    try:
+        NotebookClient(nb, km=km, timeout=120).execute()
+    finally:
+        km.shutdown_kernel()
+    first, second, third = (c.outputs for c in nb.cells)
+    assert first == [nbformat.v4.new_output("stream", name="stdout", text="group of 3\n")]
+    assert "".join(o.text for o in second) == "[rank 0] rank 0\n[rank 1] rank 1\n[rank 2] rank 2\n"
+    assert [o.output_type for o in third] == ["execute_result"] and third[0].data["text/plain"] == "3"
+
+
+def test_nbclient_stops_at_the_failing_cell_naming_the_rank():
+    nb = notebook("x = 1", "if rank == 1:\n    raise ValueError('bad shard')", "print('not reached')")
+    km = kernel_manager(["--ranks", "2"])
+    try:
+        with pytest.raises(CellExecutionError) as e:
+            NotebookClient(nb, km=km, timeout=120).execute()
+    finally:
+        km.shutdown_kernel()
+    assert e.value.ename == "ValueError" and "rank 1" in str(e.value)
+    assert nb.cells[2].outputs == []
+
+
+def test_the_ddp_example_trains_with_replicas_equal(tmp_path):
+    out = tmp_path / "out.ipynb"
+    proc = run_cli("run", str(EXAMPLE), "--ranks", "2", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "replicas equal: True" in proc.stdout
+    nb = nbformat.read(out, as_version=4)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "epoch 7: loss" in text and "[rank" not in text.split("samples on this rank")[1]
+
+
+def test_run_exits_nonzero_naming_the_cell_and_rank(tmp_path):
+    path = tmp_path / "bad.ipynb"
+    nbformat.write(notebook("print('fine')", "%%rank 1\nraise RuntimeError('only on one rank')"), path)
+    proc = run_cli("run", str(path), "--ranks", "2")
+    assert proc.returncode == 1
+    assert "cell 2 of 2 failed" in proc.stderr and "RuntimeError" in proc.stderr
+    assert "fine" in proc.stdout
+
+
+def test_run_rejects_a_bad_option_before_starting():
+    proc = run_cli("run", str(EXAMPLE), "--backend", "mpi")
+    assert proc.returncode == 2 and "--backend 'mpi' is unknown" in proc.stderr
+
+
+def test_install_writes_a_spec_bound_to_this_interpreter(tmp_path):
+    proc = run_cli("install", "--prefix", str(tmp_path), "--ranks", "3", "--name", "dk-test",
+                   "--display-name", "DK test")
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads((tmp_path / "share/jupyter/kernels/dk-test/kernel.json").read_text())
+    assert spec["argv"][:4] == [sys.executable, "-m", "dist_kernel", "kernel"]
+    assert spec["argv"][-2:] == ["--ranks", "3"] and spec["display_name"] == "DK test"
+    assert spec["interrupt_mode"] == "message"
+
+
+def test_install_refuses_a_bad_option(tmp_path):
+    proc = run_cli("install", "--prefix", str(tmp_path), "--ranks", "0")
+    assert proc.returncode == 2 and "--ranks 0 must be at least 1" in proc.stderr
+
+
+def test_the_shipped_kernelspec_installs_with_jupyter_kernelspec(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "jupyter_client.kernelspecapp", "install",
+                           str(ROOT / "kernelspec" / "distributed-python"), "--prefix", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads((tmp_path / "share/jupyter/kernels/distributed-python/kernel.json").read_text())
+    assert spec["display_name"] == "Distributed Python" and spec["argv"][1:4] == ["-m", "dist_kernel", "kernel"]
