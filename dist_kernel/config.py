@@ -14,6 +14,9 @@ only place those overrides are defined, and the README's table is generated from
 | --merge-window MS   | DIST_KERNEL_MERGE_WINDOW_MS   | ms to wait for other ranks' identical line (100)|
 | --fastai on|off     | DIST_KERNEL_FASTAI            | make fastai train data-parallel unchanged (on) |
 | --seed N            | DIST_KERNEL_SEED              | seed shared by all ranks (default: random)     |
+| --hang-grace S      | DIST_KERNEL_HANG_GRACE        | s a rank may wait in a collective after others finished (10) |
+| --empty-cache on|off| DIST_KERNEL_EMPTY_CACHE       | free the CUDA cache after each cell (on)       |
+| --rich-output all|rank0 | DIST_KERNEL_RICH_OUTPUT   | rich output from all ranks, merged, or rank 0's only (all) |
 """
 
 from __future__ import annotations
@@ -38,7 +41,12 @@ ENV_OVERRIDES: dict[str, str] = {
     "merge_window_ms": "DIST_KERNEL_MERGE_WINDOW_MS",
     "fastai": "DIST_KERNEL_FASTAI",
     "seed": "DIST_KERNEL_SEED",
+    "hang_grace": "DIST_KERNEL_HANG_GRACE",
+    "empty_cache": "DIST_KERNEL_EMPTY_CACHE",
+    "rich_output": "DIST_KERNEL_RICH_OUTPUT",
 }
+
+OUTPUT_POLICIES = ("all", "rank0")
 
 FIX_HINT = (
     "Fix the option in the kernelspec (reinstall with `python -m dist_kernel install ...`) "
@@ -58,6 +66,9 @@ class KernelConfig:
     merge_window: float = 0.1
     fastai: bool = True
     seed: int | None = None  # None: the parent draws one per start, shared by every rank
+    hang_grace: float = 10.0
+    empty_cache: bool = True
+    rich_output: str = "all"
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -87,6 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ms to wait for identical output from other ranks (default 100)")
     parser.add_argument("--fastai", default=None, help="on|off: fastai integration inside the ranks (default on)")
     parser.add_argument("--seed", default=None, help="random seed shared by every rank (default: random)")
+    parser.add_argument("--hang-grace", dest="hang_grace", default=None,
+                        help="seconds a rank may wait in a collective after the others finished (default 10)")
+    parser.add_argument("--empty-cache", dest="empty_cache", default=None,
+                        help="on|off: gc + torch.cuda.empty_cache() after each cell (default on)")
+    parser.add_argument("--rich-output", dest="rich_output", default=None,
+                        help="all|rank0: rich output from every rank (merged) or from rank 0 only")
 
 
 def option_argv(ns: argparse.Namespace) -> list[str]:
@@ -198,10 +215,22 @@ def resolve(ns: argparse.Namespace, environ: dict[str, str] | None = None,
     timeout = _float("timeout", raw["timeout"]) if raw["timeout"] else 1800.0
     startup = _float("startup_timeout", raw["startup_timeout"]) if raw["startup_timeout"] else 120.0
     window = _float("merge_window_ms", raw["merge_window_ms"]) / 1000 if raw["merge_window_ms"] else 0.1
-    fastai_raw = str(raw["fastai"] or "on").lower()
-    if fastai_raw not in ("on", "off", "true", "false", "1", "0"):
-        raise ConfigError(f"--fastai {raw['fastai']!r} must be on or off. {FIX_HINT}")
     seed = _int("seed", str(raw["seed"]), 0) if raw["seed"] not in (None, "") else None
+    grace = _float("hang_grace", raw["hang_grace"]) if raw["hang_grace"] else 10.0
+    output = str(raw["rich_output"] or "all").lower()
+    if output not in OUTPUT_POLICIES:
+        raise ConfigError(f"--rich-output {raw['rich_output']!r} must be one of {', '.join(OUTPUT_POLICIES)}. {FIX_HINT}")
     return KernelConfig(world_size=world, backend=backend, gpus=tuple(gpus), timeout=timeout,
                         startup_timeout=startup, merge_window=window,
-                        fastai=fastai_raw in ("on", "true", "1"), seed=seed, warnings=tuple(warnings))
+                        fastai=_switch("fastai", raw["fastai"]), seed=seed, hang_grace=grace,
+                        empty_cache=_switch("empty_cache", raw["empty_cache"]), rich_output=output,
+                        warnings=tuple(warnings))
+
+
+def _switch(name: str, raw: str | None, default: bool = True) -> bool:
+    if raw in (None, ""):
+        return default
+    value = str(raw).lower()
+    if value not in ("on", "off", "true", "false", "1", "0"):
+        raise ConfigError(f"--{name.replace('_', '-')} {raw!r} must be on or off. {FIX_HINT}")
+    return value in ("on", "true", "1")

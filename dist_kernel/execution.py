@@ -8,8 +8,9 @@ frontends stop reading a cell at the parent's ``idle``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from dist_kernel.merge import CellMerger, merge_errors
 
@@ -19,18 +20,34 @@ OUTPUT_TYPES = {"stream", "display_data", "execute_result", "update_display_data
 TICK = 0.05
 
 Publish = Callable[[str, dict], None]
+#: called when some ranks finished and others are still busy past the grace period
+OnStall = Callable[["CellRun", list[int], list[int]], Awaitable[None]]
+#: after a rank errors or an interrupt, how long the others may stay busy before a look
+FAST_GRACE = 1.0
 
 
 class CellRun:
     """Relays and merges the outputs of one request on ``ranks``; see :meth:`wait`."""
 
     def __init__(self, ranks: Sequence[int], publish: Publish, execution_count: int,
-                 window: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 window: float, world: Sequence[int] | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_stall: OnStall | None = None, hang_grace: float = 10.0,
+                 rich_from: int | None = None) -> None:
         self.ranks = tuple(ranks)
+        self.world = tuple(world) if world is not None else self.ranks
+        self.started = clock()
         self.publish = publish
         self.execution_count = execution_count
         self.clock = clock
-        self.merger = CellMerger(self.ranks, window=window)
+        self.merger = CellMerger(self.ranks, window=window, rich_from=rich_from)
+        self.on_stall = on_stall
+        self.hang_grace = hang_grace
+        self.finished_at: dict[int, float] = {}
+        self.interrupted_at: float | None = None
+        self.group_broken = False  # the process group was torn down during this cell
+        self.notes: list[str] = []  # lines appended to the cell's error, if any
+        self._last_look = 0.0
+        self._looking: asyncio.Task | None = None
         self.replies: dict[int, dict] = {}
         self.idle: set[int] = set()
         self.finished: set[int] = set()
@@ -69,6 +86,7 @@ class CellRun:
     def _check(self, rank: int) -> None:
         if rank in self.replies and rank in self.idle and rank not in self.finished:
             self.finished.add(rank)
+            self.finished_at[rank] = self.clock()
             self.merger.rank_done(rank, self.clock())
             if len(self.finished) == len(self.ranks):
                 self._done.set()
@@ -87,10 +105,40 @@ class CellRun:
             except asyncio.TimeoutError:
                 pass
             self.flush()
+            self._maybe_look()
+        if self._looking is not None and not self._looking.done():
+            # a late look must not tear down the group that is about to be re-formed
+            self._looking.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._looking
         self.merger.finish(self.clock())
         for msg_type, content in self.merger.take():
             self.publish(msg_type, content)
         return merge_errors(self.merger.errors, self.ranks)
+
+    def mark_stuck(self, rank: int, ename: str, evalue: str, lines: list[str]) -> None:
+        """Record why a rank is being unblocked; this becomes its error for the cell."""
+        tb = [f"\x1b[1;31m{ename}\x1b[0m: {evalue}", *lines]
+        self.merger.errors[rank] = {"ename": ename, "evalue": evalue, "traceback": tb}
+
+    def _maybe_look(self) -> None:
+        """Some ranks idle (finished, or outside a %%rank cell), others busy past the grace
+        period: ask ``on_stall`` to look at where the busy ones are."""
+        busy = self.busy_ranks
+        idle = [r for r in self.world if r not in busy]
+        if not busy or not idle or self.on_stall is None or self.group_broken:
+            return  # after a teardown the blocked ranks raise by themselves
+        if self._looking is not None and not self._looking.done():
+            return
+        now = self.clock()
+        errored = any(self.replies.get(r, {}).get("status") == "error" for r in self.finished)
+        grace = FAST_GRACE if (errored or self.interrupted_at is not None) else self.hang_grace
+        outsiders = len(self.world) > len(self.ranks)
+        since = self.started if outsiders else min(self.finished_at.values())
+        since = max(since, self.interrupted_at or 0.0)
+        if now - since >= grace and now - self._last_look >= grace:
+            self._last_look = now
+            self._looking = asyncio.ensure_future(self.on_stall(self, busy, idle))
 
     @property
     def busy_ranks(self) -> list[int]:

@@ -1,7 +1,122 @@
-"""fastai integration: runs inside each rank (placeholder; see issue 5)."""
+"""fastai integration: unchanged fastai notebooks train data-parallel on the kernel's ranks.
+
+Runs inside each rank. :func:`install` is called once, after the process group has formed,
+when the kernel's ``--fastai`` option is on. It imports nothing from fastai: it puts an
+import hook on ``sys.meta_path`` that patches each fastai module right after that module
+has executed (and before any other module can copy its names with ``from x import *``).
+A rank that never imports fastai pays one dict lookup per import.
+
+What gets patched, and why, lives in two modules named by domain:
+
+- :mod:`dist_kernel.fastai_training`: ``Learner.fit`` under DDP, inference and ``lr_find``
+  that agree on every rank, one progress bar;
+- :mod:`dist_kernel.fastai_files`: downloads and file side effects run once, on rank 0.
+
+``%dist_fastai on|off`` (an IPython line magic in the ranks) switches the behaviour at run
+time: the patches stay in place but pass straight through to fastai while it is off.
+"""
 
 from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
+#: the run-time switch; the patched functions consult it on every call
+enabled: bool = True
+
+
+def active() -> bool:
+    """True when the patches should act: switched on and inside a group of 2 or more ranks."""
+    if not enabled:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real loader, then the patch, so the module is patched before anyone uses it."""
+
+    def __init__(self, loader: importlib.abc.Loader, patch: Callable[[ModuleType], None]) -> None:
+        self._loader = loader
+        self._patch = patch
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._patch(module)
+
+    def __getattr__(self, name: str) -> object:  # get_source, get_filename, ... for inspect/pickle
+        return getattr(self._loader, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """A ``sys.meta_path`` finder that only wraps the loader of the modules it patches."""
+
+    def __init__(self, patches: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.patches = patches
+
+    def find_spec(self, fullname: str, path: object, target: ModuleType | None = None) -> object:
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader, patch)
+                return spec
+        return None
+
+
+def _patches() -> dict[str, Callable[[ModuleType], None]]:
+    from dist_kernel import fastai_files, fastai_training
+
+    return {**fastai_training.PATCHES, **fastai_files.PATCHES}
 
 
 def install() -> None:
     """Arrange for fastai to train data-parallel when (and only when) it is imported."""
+    if any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        return  # a re-formed group calls install() again: one hook is enough
+    patches = _patches()
+    # modules imported before us (unusual: fastai in a startup file) are patched in place
+    for name, patch in patches.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    sys.meta_path.insert(0, _PatchOnImport(patches))
+    _register_magic()
+
+
+def _register_magic() -> None:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is not None:
+        shell.register_magic_function(dist_fastai, "line", "dist_fastai")
+
+
+def dist_fastai(line: str = "") -> None:
+    """``%dist_fastai on|off``: switch the fastai integration; no argument shows the state."""
+    global enabled
+    arg = line.strip().lower()
+    if arg in ("on", "true", "1"):
+        enabled = True
+    elif arg in ("off", "false", "0"):
+        enabled = False
+    elif arg:
+        raise ValueError(f"%dist_fastai {line.strip()!r}: use `%dist_fastai on` or `%dist_fastai off`.")
+    print(f"dist_kernel fastai integration: {'on' if enabled else 'off'}")

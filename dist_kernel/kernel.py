@@ -23,11 +23,20 @@ from dist_kernel import __version__
 from dist_kernel.config import KernelConfig
 from dist_kernel.exceptions import ConfigError, RankDiedError, RankSpecError
 from dist_kernel.execution import CellRun
-from dist_kernel.magics import plan_cell
+from dist_kernel.magics import format_ranks, plan_cell
 from dist_kernel.supervisor import RankSupervisor
 
 #: how many finished cells' child msg_ids are remembered, to place late output
 _RECENT = 64
+
+
+def _group_failure(error: dict | None) -> bool:
+    """Does this error mean the process group itself broke (so it must be re-formed)?"""
+    if not error:
+        return False
+    text = f"{error.get('ename')} {error.get('evalue')} " + " ".join(error.get("traceback", [])[-3:])
+    return any(m in text for m in ("DistBackendError", "DistNetworkError", "Connection closed by peer",
+                                   "CollectiveHangError", "Connection reset by peer"))
 
 
 def _error_content(ename: str, evalue: str, hint: str = "") -> dict:
@@ -55,6 +64,7 @@ class DistributedKernel(Kernel):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.output_policy = "all"
         self.supervisor: RankSupervisor | None = None
         self._runs: OrderedDict[str, tuple[CellRun, int]] = OrderedDict()  # child msg_id -> (run, rank)
         self._main_loop: asyncio.AbstractEventLoop | None = None
@@ -80,6 +90,7 @@ class DistributedKernel(Kernel):
         self._main_loop = asyncio.get_event_loop()
         cfg = self.dist_config
         if isinstance(cfg, KernelConfig):
+            self.output_policy = cfg.rich_output
             self.supervisor = RankSupervisor(cfg, self._on_rank_iopub, self._on_rank_death, log=self.log)
             atexit.register(self.supervisor.cleanup_sync)
             self.io_loop.add_callback(self.supervisor.start)
@@ -126,8 +137,11 @@ class DistributedKernel(Kernel):
         except RankSpecError as e:
             return self._fail(parent, _error_content("RankSpecError", str(e)), silent)
 
+        cfg = self.supervisor.config
         run = CellRun(plan.ranks, lambda t, c: self._publish(parent, t, c), self.execution_count,
-                      window=self.supervisor.config.merge_window)
+                      world=range(cfg.world_size),
+                      window=cfg.merge_window, on_stall=self._on_stall, hang_grace=cfg.hang_grace,
+                      rich_from=plan.ranks[0] if self.output_policy == "rank0" else None)
         content = {"code": plan.code, "silent": silent, "store_history": store_history,
                    "user_expressions": user_expressions or {}, "allow_stdin": False,
                    "stop_on_error": False}
@@ -150,9 +164,12 @@ class DistributedKernel(Kernel):
             while len(self._runs) > _RECENT * max(1, len(plan.ranks)):
                 self._runs.popitem(last=False)
 
+        if error is not None or run.group_broken:
+            await self._recover_group(run, error)
         first = plan.ranks[0]
         reply0 = run.replies.get(first, {})
         if error is not None:
+            error = dict(error, traceback=error["traceback"] + run.notes)
             if not silent:
                 self._publish(parent, "error", error)
             return {"status": "error", "execution_count": self.execution_count, **error}
@@ -160,6 +177,57 @@ class DistributedKernel(Kernel):
                 "user_expressions": reply0.get("user_expressions", {}),
                 # payloads (pager, set_next_input) from one rank only, or the frontend acts N times
                 "payload": reply0.get("payload", [])}
+
+    async def _on_stall(self, run: CellRun, busy: list[int], idle: list[int]) -> None:
+        """Some ranks are idle, others still busy: are the busy ones stuck in a collective?"""
+        sup = self.supervisor
+        assert sup is not None
+        places = dict(zip(busy, await asyncio.gather(*(sup.where(r) for r in busy)), strict=True))
+        dead = [r for r in idle if not sup.ranks[r].alive]
+        if dead:
+            # the group cannot continue: stop the survivors instead of letting them hang
+            for r in busy:
+                what = places[r].get("collective")
+                where = f" while waiting in torch.distributed.{what}()" if what else ""
+                run.mark_stuck(r, "RankDiedError", f"rank {r} was stopped{where}: rank {format_ranks(dead)} died",
+                               ["Where it was:", *places[r].get("stack", [])])
+            await sup.interrupt(busy)
+            await asyncio.sleep(3)
+            for r in run.busy_ranks:
+                run.on_rank_lost(r, "RankDiedError", f"rank {r} did not stop after rank {format_ranks(dead)} died")
+            return
+        if all(p.get("collective") and p.get("world") for p in places.values()) and run.busy_ranks:
+            # every busy rank waits on the whole group, and some ranks will never join: tear
+            # the group down on an idle rank, which makes the blocked ranks raise at once; it
+            # is re-formed after the cell
+            for r in busy:
+                run.mark_stuck(
+                    r, "CollectiveHangError",
+                    f"rank {r} was blocked in torch.distributed.{places[r]['collective']}(), which rank "
+                    f"{format_ranks(idle)} never entered (idle: finished or not selected by %%rank)",
+                    ["Where it was waiting:", *places[r].get("stack", [])])
+            self.log.warning("ranks %s stuck in collectives; tearing down the group", busy)
+            run.group_broken = True
+            await sup.teardown(idle)
+
+    async def _recover_group(self, run: CellRun, error: dict | None) -> None:
+        """After a torn-down or failed collective, form a fresh group on every rank."""
+        sup = self.supervisor
+        assert sup is not None
+        if not run.group_broken and not _group_failure(error):
+            return
+        if any(not r.alive for r in sup.ranks.values()):
+            run.notes.append("A rank died, so the process group cannot be re-formed: restart the kernel.")
+            return
+        try:
+            await asyncio.wait_for(sup.form_group(), sup.config.startup_timeout)
+        except Exception as e:  # noqa: BLE001
+            run.notes.append(f"Re-forming the process group failed ({e}); restart the kernel.")
+            return
+        run.notes.append(
+            "\x1b[1;33mdist_kernel:\x1b[0m the process group was re-formed; every rank's variables survived. "
+            "Objects bound to the old group (DistributedDataParallel wrappers, new_group() handles) must be "
+            "created again.")
 
     def _on_reply(self, run: CellRun, rank: int, fut: asyncio.Future) -> None:
         if fut.cancelled():
@@ -214,6 +282,8 @@ class DistributedKernel(Kernel):
     async def _interrupt_busy(self) -> None:
         run = self._current
         assert self.supervisor is not None
+        if run is not None:
+            run.interrupted_at = run.clock()  # ranks still blocked in a collective get looked at soon
         await self.supervisor.interrupt(run.busy_ranks if run is not None else None)
 
     async def do_shutdown(self, restart: bool) -> dict:

@@ -84,6 +84,7 @@ class CellMerger:
     window: float = 0.1
     max_pending: int = 20_000  # per rank; beyond it the oldest item is published labelled
     errors: dict[int, dict] = field(default_factory=dict)
+    rich_from: int | None = None  # output policy "rank0": rich output from this rank only
 
     def __post_init__(self) -> None:
         self.ranks = tuple(self.ranks)
@@ -102,6 +103,8 @@ class CellMerger:
         elif msg_type == "error":
             self.errors.setdefault(rank, content)
         elif msg_type in RICH_TYPES:
+            if self.rich_from is not None and rank != self.rich_from:
+                return
             self._add_rich(rank, msg_type, content, now)
         elif msg_type == "clear_output":
             self._flush_partials(rank, now)

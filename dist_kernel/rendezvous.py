@@ -46,9 +46,13 @@ def join(rank: int, world_size: int, backend: str, store: str, timeout: float,
         device = torch.device("cpu")
 
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    if not dist.is_initialized():
-        dist.init_process_group(backend, store=dist.FileStore(store, world_size), rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout), **kwargs)
+    if dist.is_initialized():  # re-forming after a failure: the old group is unusable
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - already torn down by a peer
+            pass
+    dist.init_process_group(backend, store=dist.FileStore(store, world_size), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout), **kwargs)
     _define_names(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
     if seed is not None:
         seed_everything(seed)

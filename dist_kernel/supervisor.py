@@ -8,8 +8,10 @@ here runs on the parent's main event loop; other threads cross over with
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import random
@@ -27,9 +29,18 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from dist_kernel.config import KernelConfig
 from dist_kernel.exceptions import RankDiedError, RankStartError
 from dist_kernel.merge import strip_ansi
+from dist_kernel.rank_agent import probe_paths
 from dist_kernel.rendezvous import LOOPBACK_ENV, store_path
 
 LOG_TAIL_LINES = 30
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 class _RankSpecManager(KernelSpecManager):
@@ -174,15 +185,24 @@ class RankSupervisor:
         r.tasks = [asyncio.ensure_future(self._pump_iopub(r)), asyncio.ensure_future(self._pump_shell(r))]
 
     async def form_group(self) -> None:
-        """Every rank joins a fresh process group (a new store file per formation)."""
+        """Every live rank joins a fresh process group (a new store file per formation).
+
+        The first formation also installs the rank agent, seeds every rank alike and turns
+        on the fastai integration; later ones (after a failure) only re-form the group.
+        """
         self.generation += 1
+        first = self.generation == 1
         store = store_path(self.runtime_dir, self.generation)
         cfg = self.config
 
         async def join(rank: int) -> None:
             args = dict(rank=rank, world_size=cfg.world_size, backend=cfg.backend, store=store,
-                        timeout=cfg.timeout, use_cuda=cfg.uses_cuda, seed=self.seed, fastai=cfg.fastai)
-            code = f"import dist_kernel.rendezvous as _dk_rdzv\n_dk_rdzv.join(**{args!r})"
+                        timeout=cfg.timeout, use_cuda=cfg.uses_cuda, seed=self.seed if first else None,
+                        fastai=cfg.fastai and first)
+            agent = dict(rank=rank, parent_pid=os.getpid(), runtime_dir=self.runtime_dir,
+                         empty_cache=cfg.empty_cache)
+            code = ("import dist_kernel.rank_agent as _dk_agent, dist_kernel.rendezvous as _dk_rdzv\n"
+                    f"_dk_agent.setup(**{agent!r})\n_dk_rdzv.join(**{args!r})")
             reply = await self.run_silent(rank, code, {"device": "str(device)"})
             if reply.get("status") != "ok":
                 tb = strip_ansi("\n".join(reply.get("traceback", [])[-6:])) or f"{reply.get('ename')}: {reply.get('evalue')}"
@@ -194,6 +214,56 @@ class RankSupervisor:
             self.ranks[rank].device = dev.get("data", {}).get("text/plain", "").strip("'")
 
         await asyncio.gather(*(join(r) for r in self.ranks))
+
+    async def where(self, rank: int, wait: float = 1.5) -> dict:
+        """Where a rank's cell is, read by its watchdog thread (works while it is blocked in C++)."""
+        request, answer = probe_paths(self.runtime_dir, rank)
+        if not self.ranks[rank].alive:
+            return {}
+        with contextlib.suppress(OSError):
+            os.unlink(answer)
+        with open(request, "w"):  # noqa: ASYNC230 - touching a local file
+            pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            text = _read(answer)
+            if text:
+                try:
+                    return json.loads(text)
+                except ValueError:
+                    return {}
+        return {}
+
+    async def teardown(self, ranks: list[int]) -> None:
+        """Destroy the group on idle ranks, so peers blocked in a collective with them raise."""
+        code = "_dk_agent.teardown_group()"
+        await asyncio.gather(*(self.run_silent(r, code) for r in ranks if self.ranks[r].alive),
+                             return_exceptions=True)
+
+    async def status(self, timeout: float = 2.0) -> dict[int, dict]:
+        """Each rank's ``rank_agent.status()``; a rank that does not answer in time is busy."""
+
+        async def one(rank: int) -> dict:
+            r = self.ranks[rank]
+            base = {"pid": r.pid, "device": r.device}
+            if not r.alive:
+                return {**base, "state": r.exit_reason}
+            try:
+                reply = await asyncio.wait_for(
+                    self.run_silent(rank, "", {"s": "__import__('dist_kernel.rank_agent').rank_agent.status()"}),
+                    timeout)
+            except (asyncio.TimeoutError, RankDiedError):
+                return {**base, "state": "busy"}
+            raw = reply.get("user_expressions", {}).get("s", {}).get("data", {}).get("text/plain", "{}")
+            try:
+                info = ast.literal_eval(raw)  # a dict of plain values; never unpickled
+            except (ValueError, SyntaxError):
+                info = {}
+            return {**base, **info, "state": "idle"}
+
+        results = await asyncio.gather(*(one(r) for r in self.ranks))
+        return dict(zip(self.ranks, results, strict=True))
 
     # ------------------------------------------------------------ messaging
     async def _pump_iopub(self, r: Rank) -> None:
