@@ -16,7 +16,7 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 
 from dist_kernel.runner import spec_manager
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(os.path.abspath(__file__)).parent.parent
 
 
 class _PlainSpecManager(KernelSpecManager):

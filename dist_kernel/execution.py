@@ -29,6 +29,8 @@ FAST_GRACE = 1.0
 class CellRun:
     """Relays and merges the outputs of one request on ``ranks``; see :meth:`wait`."""
 
+    parent: dict = {}  # the frontend request, for messages published outside the merger
+
     def __init__(self, ranks: Sequence[int], publish: Publish, execution_count: int,
                  window: float, world: Sequence[int] | None = None, clock: Callable[[], float] = time.monotonic,
                  on_stall: OnStall | None = None, hang_grace: float = 10.0,
@@ -52,6 +54,7 @@ class CellRun:
         self.idle: set[int] = set()
         self.finished: set[int] = set()
         self.msg_ids: dict[str, int] = {}  # child msg_id -> rank
+        self.closed = False
         self._done = asyncio.Event()
 
     # ------------------------------------------------ called by the kernel
@@ -65,6 +68,13 @@ class CellRun:
         elif msg_type in OUTPUT_TYPES:
             if msg_type == "execute_result":
                 content = dict(content, execution_count=self.execution_count)
+            if self.closed:
+                # printed after the cell ended (a background thread): publish it as it comes
+                if msg_type == "stream" and len(self.world) > 1:
+                    text = "".join(f"[rank {rank}] {x}" for x in content.get("text", "").splitlines(keepends=True))
+                    content = dict(content, text=text)
+                self.publish(msg_type, content)
+                return
             self.merger.add(rank, msg_type, content, self.clock())
 
     def on_reply(self, rank: int, content: dict) -> None:
@@ -114,6 +124,7 @@ class CellRun:
         self.merger.finish(self.clock())
         for msg_type, content in self.merger.take():
             self.publish(msg_type, content)
+        self.closed = True
         return merge_errors(self.merger.errors, self.ranks)
 
     def mark_stuck(self, rank: int, ename: str, evalue: str, lines: list[str]) -> None:

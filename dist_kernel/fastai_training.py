@@ -122,9 +122,20 @@ def _data_parallel(learn: Any) -> Iterator[None]:
     with _sharded_loaders(learn), learn.added_cbs(_ddp_callback()):
         try:
             yield
+            if isinstance(learn.model, DistributedDataParallel):
+                _sync_buffers(learn.model.module)
         finally:
             if isinstance(learn.model, DistributedDataParallel) and not isinstance(model, DistributedDataParallel):
                 learn.model = learn.model.module
+
+
+def _sync_buffers(model: Any) -> None:
+    """DDP gives every rank the same gradients, but BatchNorm's running statistics are updated by
+    each rank's own last batch: take rank 0's, so the replicas end bit-identical."""
+    import torch.distributed as dist
+
+    for buf in model.buffers():
+        dist.broadcast(buf, 0)
 
 
 # ------------------------------------------------------------------ patches

@@ -22,8 +22,10 @@ from traitlets import Any as AnyTrait
 from dist_kernel import __version__
 from dist_kernel.config import KernelConfig
 from dist_kernel.exceptions import ConfigError, RankDiedError, RankSpecError
-from dist_kernel.execution import CellRun
+from dist_kernel.execution import OUTPUT_TYPES, CellRun
 from dist_kernel.magics import format_ranks, plan_cell
+from dist_kernel.status import status_bundle
+from dist_kernel.stdin import InputBroker
 from dist_kernel.supervisor import RankSupervisor
 
 #: how many finished cells' child msg_ids are remembered, to place late output
@@ -61,6 +63,8 @@ class DistributedKernel(Kernel):
     help_links = [{"text": "dist_kernel", "url": "https://pypi.org/project/dist-kernel/"}]
 
     dist_config = AnyTrait(None)  # KernelConfig, or the ConfigError found at launch
+    # comms (widgets, tqdm.notebook) are not in the base Kernel's message types
+    msg_types = [*Kernel.msg_types, "comm_open", "comm_msg", "comm_close"]
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -69,6 +73,9 @@ class DistributedKernel(Kernel):
         self._runs: OrderedDict[str, tuple[CellRun, int]] = OrderedDict()  # child msg_id -> (run, rank)
         self._main_loop: asyncio.AbstractEventLoop | None = None
         self._current: CellRun | None = None
+        self._stdin: InputBroker | None = None
+        self._comm_owner: dict[str, int] = {}  # comm_id -> the rank that holds the comm
+        self._forwarded: OrderedDict[str, dict] = OrderedDict()  # msg_id sent to a rank -> frontend message
 
     # ---------------------------------------------------------------- info
     @property
@@ -91,7 +98,8 @@ class DistributedKernel(Kernel):
         cfg = self.dist_config
         if isinstance(cfg, KernelConfig):
             self.output_policy = cfg.rich_output
-            self.supervisor = RankSupervisor(cfg, self._on_rank_iopub, self._on_rank_death, log=self.log)
+            self.supervisor = RankSupervisor(cfg, self._on_rank_iopub, self._on_rank_death, log=self.log,
+                                             on_stdin=self._on_rank_stdin)
             atexit.register(self.supervisor.cleanup_sync)
             self.io_loop.add_callback(self.supervisor.start)
 
@@ -136,15 +144,26 @@ class DistributedKernel(Kernel):
             plan = plan_cell(code, self.supervisor.config.world_size)
         except RankSpecError as e:
             return self._fail(parent, _error_content("RankSpecError", str(e)), silent)
+        if plan.magics:
+            err = await self._run_parent_magics(parent, plan.magics)
+            if err:
+                return self._fail(parent, err, silent)
+            if not plan.code.strip():
+                return {"status": "ok", "execution_count": self.execution_count, "user_expressions": {},
+                        "payload": []}
 
         cfg = self.supervisor.config
         run = CellRun(plan.ranks, lambda t, c: self._publish(parent, t, c), self.execution_count,
                       world=range(cfg.world_size),
                       window=cfg.merge_window, on_stall=self._on_stall, hang_grace=cfg.hang_grace,
                       rich_from=plan.ranks[0] if self.output_policy == "rank0" else None)
+        run.parent = parent
         content = {"code": plan.code, "silent": silent, "store_history": store_history,
-                   "user_expressions": user_expressions or {}, "allow_stdin": False,
+                   "user_expressions": user_expressions or {}, "allow_stdin": allow_stdin,
                    "stop_on_error": False}
+        ident = self._get_shell_context_var(self._shell_parent_ident)
+        self._stdin = InputBroker(lambda prompt, pw: self._ask_frontend(prompt, pw, ident, parent),
+                                  self.supervisor.reply_input) if allow_stdin else None
         futures = {}
         for rank in plan.ranks:
             try:
@@ -161,6 +180,7 @@ class DistributedKernel(Kernel):
             error = await run.wait()
         finally:
             self._current = None
+            self._stdin = None
             while len(self._runs) > _RECENT * max(1, len(plan.ranks)):
                 self._runs.popitem(last=False)
 
@@ -241,10 +261,116 @@ class DistributedKernel(Kernel):
 
     def _on_rank_iopub(self, rank: int, msg: dict) -> None:
         parent_id = msg.get("parent_header", {}).get("msg_id")
+        msg_type = msg["header"]["msg_type"]
         entry = self._runs.get(parent_id)
-        if entry is None:
-            return  # setup code, or a request the parent made for itself
-        entry[0].on_iopub(rank, msg)
+        if msg_type in ("comm_open", "comm_msg", "comm_close"):
+            comm_id = msg["content"].get("comm_id")
+            if msg_type == "comm_open":
+                self._comm_owner[comm_id] = rank
+            elif msg_type == "comm_close":
+                self._comm_owner.pop(comm_id, None)
+            # comms bypass merging: the frontend needs comm_open before the widget's display
+            parent = entry[0].parent if entry else self._forwarded.get(parent_id, {})
+            self._publish(parent, msg_type, msg["content"])
+            return
+        if entry is not None:
+            entry[0].on_iopub(rank, msg)
+        elif parent_id in self._forwarded and msg_type in OUTPUT_TYPES:
+            # output of a comm callback (a widget's on_click, say): label it with its rank
+            self._publish_labelled(self._forwarded[parent_id], rank, msg_type, msg["content"])
+
+    def _publish_labelled(self, parent: dict, rank: int, msg_type: str, content: dict) -> None:
+        if msg_type == "stream" and self.supervisor and self.supervisor.config.world_size > 1:
+            text = "".join(f"[rank {rank}] {line}" for line in content.get("text", "").splitlines(keepends=True))
+            content = dict(content, text=text)
+        self._publish(parent, msg_type, content)
+
+    def _on_rank_stdin(self, rank: int, msg: dict) -> None:
+        broker = self._stdin
+        content = msg["content"]
+        if broker is None:  # not allowed: ipykernel would not have asked; answer empty
+            self.supervisor.reply_input(rank, "")
+            return
+        broker.on_request(rank, content.get("prompt", ""), bool(content.get("password")))
+
+    async def _ask_frontend(self, prompt: str, password: bool, ident: Any, parent: dict) -> str:
+        """One input_request to the frontend, answered off the event loop (the base call blocks)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, lambda: self._input_request(prompt, ident, parent, password))
+
+    # -------------------------------------------------------------- comms
+    async def comm_open(self, stream: Any, ident: Any, parent: dict) -> None:
+        self._route_comm(parent)
+
+    async def comm_msg(self, stream: Any, ident: Any, parent: dict) -> None:
+        self._route_comm(parent)
+
+    async def comm_close(self, stream: Any, ident: Any, parent: dict) -> None:
+        self._route_comm(parent)
+
+    def _route_comm(self, parent: dict) -> None:
+        """A frontend comm message goes to the rank that owns the comm (rank 0 for new ones)."""
+        asyncio.ensure_future(self._forward_comm(parent))
+
+    async def _forward_comm(self, parent: dict) -> None:
+        if self.supervisor is None:
+            return
+        await self.supervisor.ready.wait()  # in a task: never delays other requests
+        if self.supervisor.start_error:
+            return
+        msg_type = parent["header"]["msg_type"]
+        content = parent["content"]
+        comm_id = content.get("comm_id")
+        rank = self._comm_owner.get(comm_id, 0)
+        if msg_type == "comm_open":
+            self._comm_owner[comm_id] = rank
+        elif msg_type == "comm_close":
+            self._comm_owner.pop(comm_id, None)
+        try:
+            msg_id, _ = self.supervisor.send(rank, msg_type, content, metadata=parent.get("metadata"),
+                                             expect_reply=False)
+        except RankDiedError:
+            return
+        self._forwarded[msg_id] = parent
+        while len(self._forwarded) > 4 * _RECENT:
+            self._forwarded.popitem(last=False)
+
+    async def comm_info_request(self, stream: Any, ident: Any, parent: dict) -> None:
+        """The comms of every rank, merged."""
+        comms: dict[str, dict] = {}
+        sup = self.supervisor
+        if sup is not None and sup.ready.is_set() and not sup.start_error:
+            live = [r for r, rk in sup.ranks.items() if rk.alive]
+            replies = await asyncio.gather(*(sup.request(r, "comm_info_request", parent["content"], 5)
+                                             for r in live), return_exceptions=True)
+            for rank, reply in zip(live, replies, strict=True):
+                if isinstance(reply, dict):
+                    for comm_id, info in reply.get("comms", {}).items():
+                        comms[comm_id] = info
+                        self._comm_owner.setdefault(comm_id, rank)
+        self.session.send(stream, "comm_info_reply", {"status": "ok", "comms": comms}, parent, ident=ident)
+
+    # -------------------------------------------------------------- magics
+    async def _run_parent_magics(self, parent: dict, magics: tuple[tuple[str, str], ...]) -> dict | None:
+        sup = self.supervisor
+        assert sup is not None
+        for name, arg in magics:
+            if name == "dist_status":
+                table = await sup.status()
+                self._publish(parent, "display_data", status_bundle(table, sup.config))
+            elif name == "dist_output":
+                if arg not in ("all", "rank0"):
+                    return _error_content("UsageError", f"%dist_output {arg!r}: use `%dist_output all` "
+                                          "(rich output from every rank, merged) or `%dist_output rank0`.")
+                self.output_policy = arg
+                self._publish(parent, "stream", {"name": "stdout", "text": f"rich output from: {arg}\n"})
+            elif name == "dist_empty_cache":
+                if arg not in ("on", "off"):
+                    return _error_content("UsageError", f"%dist_empty_cache {arg!r}: use on or off.")
+                await asyncio.gather(*(sup.run_silent(r, f"_dk_agent.set_empty_cache({arg == 'on'})")
+                                       for r in sup.ranks))
+                self._publish(parent, "stream", {"name": "stdout", "text": f"empty_cache after each cell: {arg}\n"})
+        return None
 
     def _on_rank_death(self, rank: int, reason: str) -> None:
         self.log.error("rank %d %s", rank, reason)

@@ -3,6 +3,12 @@
 ``%%rank SPEC`` on a cell's first line selects the ranks that run the rest of the cell.
 SPEC is ``all``, a rank (``0``), a list (``0,2``), a range (``1-3``), a mix (``0,2-3``),
 optionally in brackets (``[0,1]``).
+
+Line magics the parent answers itself, on a cell's leading lines:
+
+- ``%dist_status``: per rank its pid, host, device, busy/idle and memory;
+- ``%dist_output all|rank0``: rich output from every rank (merged) or from rank 0 only;
+- ``%dist_empty_cache on|off``: free the CUDA cache after each cell.
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ _RANK_LINE = re.compile(r"^\s*%%rank(?:\s+(?P<spec>.*?))?\s*$")
 _PIECE = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
 
 
+PARENT_MAGICS = ("dist_status", "dist_output", "dist_empty_cache")
+_PARENT_LINE = re.compile(r"^\s*%(?P<name>" + "|".join(PARENT_MAGICS) + r")\b(?P<arg>.*)$")
+
+
 @dataclass(frozen=True)
 class CellPlan:
     """What the parent does with one cell: which ranks run which code."""
@@ -23,6 +33,21 @@ class CellPlan:
     ranks: tuple[int, ...]
     code: str
     selected: bool  # True when the cell named its ranks with %%rank
+    magics: tuple[tuple[str, str], ...] = ()  # parent line magics, (name, argument)
+
+
+def split_parent_magics(code: str) -> tuple[list[tuple[str, str]], str]:
+    """Take the parent's line magics off the top of a cell (lines stay, blanked)."""
+    lines = code.split("\n")
+    found: list[tuple[str, str]] = []
+    for i, line in enumerate(lines):
+        m = _PARENT_LINE.match(line)
+        if m:
+            found.append((m.group("name"), m.group("arg").strip()))
+            lines[i] = ""
+        elif line.strip() and not line.lstrip().startswith("#"):
+            break
+    return found, "\n".join(lines) if found else code
 
 
 def parse_rank_spec(spec: str, world_size: int) -> tuple[int, ...]:
@@ -55,15 +80,18 @@ def parse_rank_spec(spec: str, world_size: int) -> tuple[int, ...]:
 
 
 def plan_cell(code: str, world_size: int) -> CellPlan:
-    """Split off a leading ``%%rank`` line (blank lines before it allowed)."""
+    """Split off a leading ``%%rank`` line (blank lines before it allowed) or parent magics."""
+    magics, rest = split_parent_magics(code)
+    if magics:
+        return CellPlan(ranks=tuple(range(world_size)), code=rest, selected=False, magics=tuple(magics))
     lines = code.split("\n")
     first = next((i for i, line in enumerate(lines) if line.strip()), None)
     if first is not None:
         m = _RANK_LINE.match(lines[first])
         if m:
             ranks = parse_rank_spec(m.group("spec") or "", world_size)
-            # keep line numbers in tracebacks right: blank out the magic line instead of deleting it
-            body = "\n".join([""] * (first + 1) + lines[first + 1:])
+            # keep line numbers and cursor offsets right: blank the magic line, same length
+            body = "\n".join([" " * len(line) for line in lines[:first + 1]] + lines[first + 1:])
             return CellPlan(ranks=ranks, code=body, selected=True)
     return CellPlan(ranks=tuple(range(world_size)), code=code, selected=False)
 

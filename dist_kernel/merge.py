@@ -14,6 +14,11 @@ the queues like a diff:
 - an item waits at most ``window`` seconds for its twins from the other ranks, so output
   stays live; each rank's own order is always kept; nothing is dropped.
 
+In a cell run by several ranks, a rank that calls ``clear_output`` or rewrites its line with
+``\r`` (progress bars) would erase or garble the other ranks' output. Instead, that output
+goes to an *area*: one display per group of ranks, updated in place with
+``update_display_data`` (what ipyparallel does per engine).
+
 Errors are not published inline: :func:`merge_errors` turns all ranks' errors into the one
 ``error`` output a cell may have.
 """
@@ -59,6 +64,26 @@ class _Partial:
 
 
 @dataclass
+class _Area:
+    """An updatable display holding one rank group's text or latest rich output."""
+
+    display_id: str
+    ranks: tuple[int, ...]
+    kind: str  # "text" or "rich"
+    text: str = ""
+    shown: bool = False
+
+
+def render_cr(text: str) -> str:
+    """What a terminal shows for text with carriage returns: each line's last rewrite."""
+    out = []
+    for line in text.split("\n"):
+        parts = [p for p in line.split("\r") if p]
+        out.append(parts[-1] if parts else "")
+    return "\n".join(out)
+
+
+@dataclass
 class _OpenLine:
     """A stream line left without its newline, and whose label it carries."""
 
@@ -94,6 +119,10 @@ class CellMerger:
         self._done: set[int] = set()
         self._out: list[Emit] = []
         self._open: dict[str, _OpenLine] = {}
+        self._areas: dict[tuple[str | None, str], _Area] = {}
+        self._area_ranks: set[int] = set()  # ranks that cleared: their output goes to areas
+        self._pending_clear: set[int] = set()  # ranks whose areas empty at their next output
+        self._area_serial = 0
 
     # ----------------------------------------------------------------- input
     def add(self, rank: int, msg_type: str, content: dict, now: float) -> None:
@@ -240,18 +269,80 @@ class CellMerger:
         """Publish ``item``; ``ranks`` None means all participants produced it."""
         if ranks is not None and len(ranks) == len(self.ranks):
             ranks = None
+        multi = len(self.ranks) > 1
+        group = list(self.ranks) if ranks is None else ranks
+        lab = None if ranks is None else label(ranks)
+        if item.kind == "clear_output":
+            if not multi:
+                self._open.clear()
+                self._out.append(("clear_output", item.content))
+                return
+            # one rank clearing would wipe every rank's output: from now on this group's
+            # output is shown in its own areas, which a clear empties
+            self._area_ranks.update(group)
+            self._pending_clear.update(group)
+            if not item.content.get("wait"):
+                self._clear_areas(group)
+            return
+        in_area = multi and all(r in self._area_ranks for r in group)
         if item.kind == "stream":
-            self._emit_stream(item.content["name"], item.content["text"], None if ranks is None else label(ranks))
+            text = item.content["text"]
+            area = self._areas.get((lab, "text"))
+            progress = lab is not None and ("\r" in text.rstrip("\n") or (area is not None and area.text
+                                                                          and not area.text.endswith("\n")))
+            if in_area or progress:
+                self._to_area(lab, group, "text", text)
+            else:
+                self._emit_stream(item.content["name"], text, lab)
             return
         self._open.clear()  # a rich output starts a new output area
-        if item.kind == "clear_output" and ranks is not None and len(self.ranks) > 1:
-            # one rank clearing would wipe every rank's output: only a clear that all ranks
-            # asked for is forwarded
-            return
         content = item.content
+        if in_area and item.kind in ("display_data", "execute_result"):
+            self._to_area(lab, group, "rich", content)
+            return
         if ranks is not None and item.kind in RICH_TYPES:
             content = _labelled_rich(content, ranks)
         self._out.append((item.kind, content))
+
+    def _clear_areas(self, ranks: list[int]) -> None:
+        """Empty every area holding output of these ranks (a clear_output of theirs took effect)."""
+        self._pending_clear.difference_update(ranks)
+        for area in self._areas.values():
+            if area.shown and set(area.ranks) & set(ranks) and (area.text or area.kind == "rich"):
+                area.text = ""
+                self._show_area(area, {"data": {"text/plain": ""}, "metadata": {}})
+
+    def _to_area(self, lab: str | None, group: list[int], kind: str, payload: object) -> None:
+        due = [r for r in group if r in self._pending_clear]
+        if due:
+            self._clear_areas(due)
+        area = self._areas.get((lab, kind))
+        if area is None:
+            self._area_serial += 1
+            area = _Area(f"dist-kernel-area-{id(self):x}-{self._area_serial}", tuple(group), kind)
+            self._areas[(lab, kind)] = area
+        if kind == "text":
+            area.text += str(payload)
+            content = {"data": {"text/plain": _prefix_lines(render_cr(area.text), lab)}, "metadata": {}}
+        else:
+            content = payload if lab is None else _labelled_rich(payload, group)  # type: ignore[arg-type]
+        if lab is not None:
+            content = dict(content, metadata=dict(content.get("metadata") or {}, dist_kernel={"ranks": group}))
+        self._show_area(area, content)
+
+    def _show_area(self, area: _Area, content: dict) -> None:
+        content = {"data": content.get("data", {}), "metadata": content.get("metadata", {}),
+                   "transient": {"display_id": area.display_id}}
+        if not area.shown:
+            area.shown = True
+            self._open.clear()
+            self._out.append(("display_data", content))
+            return
+        last = self._out[-1] if self._out else None
+        if last and last[0] == "update_display_data" and last[1]["transient"]["display_id"] == area.display_id:
+            self._out[-1] = ("update_display_data", content)  # only the newest state matters
+        else:
+            self._out.append(("update_display_data", content))
 
     def _emit_stream(self, name: str, text: str, prefix: str | None) -> None:
         state = self._open.get(name)
@@ -271,6 +362,12 @@ class CellMerger:
         else:
             self._open[name] = _OpenLine(prefix, after_cr=text.endswith("\r"))
         self._out.append(("stream", {"name": name, "text": text}))
+
+
+def _prefix_lines(text: str, prefix: str | None) -> str:
+    if not prefix:
+        return text
+    return "\n".join(prefix + line if line else line for line in text.split("\n"))
 
 
 def _labelled_rich(content: dict, ranks: Sequence[int]) -> dict:
@@ -317,7 +414,8 @@ def merge_errors(errors: dict[int, dict], ranks: Iterable[int]) -> dict | None:
         failing = next(iter(groups.values()))
         where = f"all {len(ranks)} ranks" if len(failing) == len(ranks) and len(ranks) > 1 else (
             f"rank {format_ranks(failing)}")
-        note = f"\x1b[1;31m[{where}]\x1b[0m the same error was raised on {where}" if len(ranks) > 1 else None
+        note = (f"\x1b[1;31m[{where}]\x1b[0m the same error was raised on each of these ranks"
+                if len(ranks) > 1 else None)
         tb = list(first.get("traceback", []))
         return {"ename": first.get("ename", "Error"), "evalue": first.get("evalue", ""),
                 "traceback": ([note] if note else []) + tb}

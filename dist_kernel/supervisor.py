@@ -102,9 +102,11 @@ class RankSupervisor:
     """Owns the rank processes of one kernel."""
 
     def __init__(self, config: KernelConfig, on_iopub: Callable[[int, dict], None],
-                 on_death: Callable[[int, str], None], log: logging.Logger | None = None) -> None:
+                 on_death: Callable[[int, str], None], log: logging.Logger | None = None,
+                 on_stdin: Callable[[int, dict], None] | None = None) -> None:
         self.config = config
         self.on_iopub = on_iopub
+        self.on_stdin = on_stdin
         self.on_death = on_death
         self.log = log or logging.getLogger("dist_kernel")
         self.runtime_dir = tempfile.mkdtemp(prefix="dist_kernel-")  # 0700 by mkdtemp
@@ -182,7 +184,8 @@ class RankSupervisor:
             raise RankStartError(
                 f"rank {rank} (pid {r.pid}) did not start: {e}\n{tail}\nFix: check that ipykernel "
                 f"works in {sys.executable}, then restart the kernel.") from None
-        r.tasks = [asyncio.ensure_future(self._pump_iopub(r)), asyncio.ensure_future(self._pump_shell(r))]
+        r.tasks = [asyncio.ensure_future(self._pump_iopub(r)), asyncio.ensure_future(self._pump_shell(r)),
+                   asyncio.ensure_future(self._pump_stdin(r))]
 
     async def form_group(self) -> None:
         """Every live rank joins a fresh process group (a new store file per formation).
@@ -305,14 +308,39 @@ class RankSupervisor:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
-    def send(self, rank: int, msg_type: str, content: dict, metadata: dict | None = None) -> tuple[str, asyncio.Future]:
-        """Send a shell request to one rank; returns its msg_id and a future for the reply message."""
+    async def _pump_stdin(self, r: Rank) -> None:
+        while True:
+            try:
+                msg = await r.kc.get_stdin_msg()
+            except asyncio.CancelledError:
+                raise
+            except ValueError as e:
+                self.log.warning("rank %d: dropped a stdin message: %s", r.rank, e)
+                continue
+            except Exception:  # noqa: BLE001
+                if self._closing:
+                    return
+                await asyncio.sleep(0.05)
+                continue
+            if self.on_stdin is not None and msg["msg_type"] == "input_request":
+                self.on_stdin(r.rank, msg)
+
+    def reply_input(self, rank: int, value: str) -> None:
+        r = self.ranks[rank]
+        if r.alive and r.kc is not None:
+            r.kc.input(value)
+
+    def send(self, rank: int, msg_type: str, content: dict, metadata: dict | None = None,
+             expect_reply: bool = True) -> tuple[str, asyncio.Future | None]:
+        """Send a shell message to one rank; returns its msg_id and a future for the reply."""
         r = self.ranks[rank]
         if not r.alive:
             raise RankDiedError(f"rank {rank} {r.exit_reason}")
         msg = r.kc.session.msg(msg_type, content, metadata=metadata or {})
-        fut = asyncio.get_running_loop().create_future()
-        r.pending[msg["header"]["msg_id"]] = fut
+        fut = None
+        if expect_reply:
+            fut = asyncio.get_running_loop().create_future()
+            r.pending[msg["header"]["msg_id"]] = fut
         r.kc.shell_channel.send(msg)
         return msg["header"]["msg_id"], fut
 

@@ -62,6 +62,7 @@ class DistKernel:
         return [p.pid for p in psutil.Process(self.pid).children() if "ipykernel_launcher" in " ".join(p.cmdline())]
 
     def execute(self, code: str, timeout: float = 120, **kw) -> Result:
+        kw.setdefault("allow_stdin", False)  # as nbclient; tests that answer input() pass True
         msg_id = self.kc.execute(code, **kw)
         t0 = time.monotonic()
         res = Result(reply={})

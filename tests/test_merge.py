@@ -91,11 +91,12 @@ class TestStreams:
         m.finish(1.0)
         assert streams(m.take()) == "[rank 0] working... done\n"
 
-    def test_carriage_return_progress_keeps_its_label(self):
-        m = CellMerger([0, 1], W)
-        m.add(1, "stream", {"name": "stdout", "text": "10%\r20%\r"}, 0.0)
-        m.finish(1.0)
-        assert streams(m.take()) == "[rank 1] 10%\r[rank 1] 20%\r"
+    def test_carriage_return_progress_from_several_ranks_does_not_garble(self):
+        # each rank's \r-rewritten line lives in its own display, updated in place
+        out = run(CellMerger([0, 1], W), [say(0, 0, "10%\r"), say(0, 1, "5%\r"), say(0.3, 0, "50%\r"),
+                                          say(0.35, 1, "30%\r")])
+        assert streams(out) == ""
+        assert final_displays(out) == {"[rank 0] 50%", "[rank 1] 30%"}
 
     def test_a_finished_rank_does_not_hold_back_the_others(self):
         m = CellMerger([0, 1], W)
@@ -139,12 +140,41 @@ class TestRichOutput:
                                           (0, 1, "display_data", {"data": {"text/plain": "fig"}, "metadata": {}})])
         assert [t for t, _ in out] == ["stream", "display_data"]
 
-    def test_clear_output_from_every_rank_is_forwarded_once_from_one_rank_not_at_all(self):
-        c = {"wait": True}
-        both = run(CellMerger([0, 1], W), [(0, 0, "clear_output", c), (0, 1, "clear_output", c)])
-        one = run(CellMerger([0, 1], W), [(0, 0, "clear_output", c)])
-        assert [t for t, _ in both] == ["clear_output"]
-        assert one == []
+    def test_clear_output_loops_on_every_rank_update_one_display_in_place(self):
+        events = []
+        for i in range(3):
+            for r in (0, 1):
+                events += [(i, r, "clear_output", {"wait": True}), say(i + 0.01, r, f"step {i}\n")]
+        out = run(CellMerger([0, 1], W), events)
+        assert "clear_output" not in [t for t, _ in out]  # never wipes the other ranks' output
+        assert [t for t, _ in out].count("display_data") == 1
+        assert final_displays(out) == {"step 2\n"}
+
+    def test_clear_output_loops_with_rank_specific_text_keep_one_display_per_rank(self):
+        events = []
+        for i in range(3):
+            for r in (0, 1):
+                events += [(i, r, "clear_output", {"wait": True}), say(i + 0.01, r, f"rank {r} step {i}\n")]
+        assert final_displays(run(CellMerger([0, 1], W), events)) == {
+            "[rank 0] rank 0 step 2\n", "[rank 1] rank 1 step 2\n"}
+
+    def test_output_before_a_clear_stays_visible(self):
+        out = run(CellMerger([0, 1], W), [say(0, 0, "header\n"), say(0, 1, "header\n"),
+                                          (1, 0, "clear_output", {"wait": True}), say(1.1, 0, "tick\n")])
+        assert streams(out) == "header\n" and final_displays(out) == {"[rank 0] tick\n"}
+
+    def test_clear_output_in_a_single_rank_cell_is_forwarded(self):
+        out = run(CellMerger([1], W), [say(0, 1, "x\n"), (0.1, 1, "clear_output", {"wait": True})])
+        assert [t for t, _ in out] == ["stream", "clear_output"]
+
+
+def final_displays(out) -> set[str]:
+    """The text each updatable display shows at the end."""
+    shown: dict[str, str] = {}
+    for t, c in out:
+        if t in ("display_data", "update_display_data") and "transient" in c:
+            shown[c["transient"]["display_id"]] = c["data"].get("text/plain", "")
+    return set(shown.values())
 
 
 class TestErrors:

@@ -1,0 +1,187 @@
+"""``python -m benchmarks [--quick] [--out DIR]``: measure dist_kernel against its peers, side by side.
+
+Writes DIR/results.md (tables), DIR/results.png (chart) and DIR/results.json (raw numbers).
+With the default DIR and without --quick it also refreshes the results in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import measure, peers, report
+from benchmarks.common import Kernel, log, median
+
+HERE = Path(os.path.abspath(__file__)).parent
+DEFAULT_OUT = HERE / "results"
+
+SIZES = {
+    "quick": dict(ranks=[1, 2], main_ranks=[1, 2], startup_repeat_ranks=[], startup_repeats=1, rt_reps=20,
+                  rt_block=10, lat_lines=10, thr_mb=0.05, train=dict(steps=5, warmup=2, batch=16, width=64, depth=2),
+                  peer_ranks=[2], ipp_reps=10, nbd_reps=0, idle_s=0.5),
+    "full": dict(ranks=[1, 2, 4, 8], main_ranks=[1, 2, 4], startup_repeat_ranks=[2, 4], startup_repeats=3,
+                 rt_reps=200, rt_block=25, lat_lines=100, thr_mb=1.0,
+                 train=dict(steps=40, warmup=5, batch=64, width=256, depth=3),
+                 peer_ranks=[1, 2, 4], ipp_reps=100, nbd_reps=20, idle_s=2.0),
+}
+
+
+def roundtrip_pair(plain: Kernel, dist: Kernel, reps: int, block: int) -> tuple[dict, dict]:
+    """Alternate blocks of cells on the two kernels so machine noise hits both alike."""
+    a: list[dict] = []
+    b: list[dict] = []
+    for _ in range(max(1, reps // block)):
+        a.append(measure.roundtrip(plain, block, warmup=1))
+        b.append(measure.roundtrip(dist, block, warmup=1))
+    return _merge_rt(a), _merge_rt(b)
+
+
+def _merge_rt(parts: list[dict]) -> dict:
+    xs = [x for p in parts for x in p["samples"]]
+    return {"median": median(xs), "p90": measure.percentile(xs, 90),
+            "cpu_per_cell": sum(p["cpu_per_cell"] for p in parts) / len(parts), "n": len(xs)}
+
+
+def plain_startup() -> float:
+    k = Kernel("plain")
+    try:
+        return measure.first_cell(k)
+    finally:
+        k.shutdown()
+
+
+def dist_startup(n: int) -> float:
+    k = Kernel("dist", n)
+    try:
+        return measure.first_cell(k)
+    finally:
+        k.shutdown()
+
+
+def run_dist(n: int, plain: Kernel, cfg: dict, res: dict) -> None:
+    out: dict = {"startup": [], "plain_startup": []}
+    res["dist"][str(n)] = out
+    log(f"{n} rank(s): plain ipykernel start + import torch (paired baseline)")
+    out["plain_startup"].append(plain_startup())
+    log(f"{n} rank(s): starting the distributed kernel")
+    k = Kernel("dist", n)
+    try:
+        out["startup"].append(measure.first_cell(k))
+        log(f"{n} rank(s): ready in {out['startup'][0]:.2f}s")
+        out["cost_start"] = measure.parent_cost(k, cfg["idle_s"])
+        out["plain_rt"], out["rt"] = roundtrip_pair(plain, k, cfg["rt_reps"], cfg["rt_block"])
+        log(f"{n} rank(s): round trip {out['rt']['median'] * 1e3:.1f} ms vs plain {out['plain_rt']['median'] * 1e3:.1f} ms")
+        out["lat"] = {mode: measure.print_latency(k, cfg["lat_lines"], mode=mode) for mode in ("own", "same", "rank0")}
+        log(f"{n} rank(s): print latency p50 {out['lat']['own']['p50'] * 1e3:.1f} ms")
+        out["train"] = measure.train_in_kernel(k, **cfg["train"])
+        out["plain_thr"] = measure.throughput(plain, cfg["thr_mb"])
+        try:
+            out["thr"] = measure.throughput(k, cfg["thr_mb"])
+            log(f"{n} rank(s): throughput {out['thr']['mb_per_s']:.2f} MB/s vs plain {out['plain_thr']['mb_per_s']:.1f}")
+        except Exception as e:  # noqa: BLE001 - a timeout here must not lose the rest of the run
+            out["thr"] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"{n} rank(s): throughput failed: {e}")
+        out["cost_end"] = measure.parent_cost(k, 0.1)
+    finally:
+        k.shutdown()
+    log(f"{n} rank(s): torchrun")
+    out["torchrun"] = measure.train_torchrun(n, **cfg["train"])
+    log(f"{n} rank(s): step {out['train']['median_step_s'] * 1e3:.2f} ms in kernel vs "
+        f"{out['torchrun']['median_step_s'] * 1e3:.2f} ms torchrun")
+    if n in cfg["startup_repeat_ranks"]:
+        for _ in range(cfg["startup_repeats"] - 1):
+            out["plain_startup"].append(plain_startup())
+            out["startup"].append(dist_startup(n))
+
+
+def run_peers(cfg: dict, res: dict) -> None:
+    for name, fn, reps in (("ipyparallel", peers.ipyparallel, cfg["ipp_reps"]),
+                           ("nbdistributed", peers.nbdistributed, cfg["nbd_reps"])):
+        if not peers.available(name):
+            res[name] = {"error": f"{name} is not installed (pip install {name})"}
+            log(res[name]["error"])
+            continue
+        if not reps:
+            # nbdistributed loses its first distributed cell to a 30 s timeout: too slow for --quick
+            res[name] = {"error": "skipped in --quick (its first cell waits out a 30 s timeout)"}
+            continue
+        res[name] = {}
+        for n in cfg["peer_ranks"]:
+            log(f"{name}: {n} engine(s)")
+            try:
+                res[name][str(n)] = fn(n, reps)
+                res[name][str(n)].pop("samples", None)
+            except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+                res[name][str(n)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                log(f"{name} {n}: {e}")
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "ipykernel", "jupyter_client", "pyzmq", "ipyparallel", "nbdistributed", "dist-kernel"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="tiny sizes (the CI smoke test)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default benchmarks/results)")
+    p.add_argument("--ranks", default=None, help="comma list of rank counts (default 1,2,4,8; quick 1,2)")
+    p.add_argument("--no-peers", action="store_true", help="skip ipyparallel and nbdistributed")
+    p.add_argument("--from-json", default=None, help="only redraw the table and chart from a results.json")
+    a = p.parse_args(argv)
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    if a.from_json:
+        res = json.loads(Path(a.from_json).read_text())
+    else:
+        mode = "quick" if a.quick else "full"
+        cfg = dict(SIZES[mode])
+        if a.ranks:
+            cfg["ranks"] = [int(x) for x in a.ranks.split(",")]
+            cfg["main_ranks"] = [n for n in cfg["ranks"] if n <= 4]
+        t0 = time.perf_counter()
+        res = {"meta": {"mode": mode, "cpus": os.cpu_count(), "machine": platform.platform(),
+                        "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions(),
+                        "sizes": {k: v for k, v in cfg.items()}},
+               "dist": {}}
+        log(f"mode {mode}: ranks {cfg['ranks']}; plain ipykernel baseline")
+        plain = Kernel("plain")
+        try:
+            plain.check(measure.FIRST_CELL)
+            res["plain"] = {"lat": measure.print_latency(plain, cfg["lat_lines"], mode="own")}
+            for n in cfg["ranks"]:
+                run_dist(n, plain, cfg, res)
+            res["plain"]["cost"] = measure.parent_cost(plain, 0.1)
+            res["plain"]["rt_all"] = measure.roundtrip(plain, cfg["rt_block"])
+            res["plain"]["rt_all"].pop("samples")
+        finally:
+            plain.shutdown()
+        if not a.no_peers:
+            run_peers(cfg, res)
+        res["meta"]["duration_s"] = time.perf_counter() - t0
+    (out_dir / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    md_text = report.markdown(res)
+    (out_dir / "results.md").write_text(md_text)
+    report.chart(res, out_dir / "results.png")
+    if not a.from_json and res["meta"]["mode"] == "full" and out_dir.resolve() == DEFAULT_OUT.resolve():
+        report.update_readme(HERE / "README.md", md_text)
+    log(f"wrote {out_dir / 'results.md'} and {out_dir / 'results.png'}")
+    print(md_text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""A small DDP training loop, the same code in the kernel and under torchrun.
+
+In the kernel: ``from benchmarks.ddp_train import train; train(...)`` on every rank (the group
+is already formed). As a script: ``python -m torch.distributed.run --standalone
+--nproc-per-node N benchmarks/ddp_train.py --steps S ...`` (the group is formed here). Rank 0
+prints one line ``@@{json}`` with the per-step timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def train(steps: int = 40, warmup: int = 5, batch: int = 64, width: int = 256, depth: int = 3,
+          seed: int = 0) -> dict:
+    """Run ``warmup + steps`` DDP steps of an MLP on fixed random data; timings of rank 0."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = DDP(nn.Sequential(*layers, nn.Linear(width, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    x = torch.randn(batch, width, generator=gen)
+    y = torch.randn(batch, 1, generator=gen)
+    times: list[float] = []
+    dist.barrier()
+    t_all = time.perf_counter()
+    for i in range(warmup + steps):
+        if i == warmup:
+            t_all = time.perf_counter()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - t_all
+    return {"median_step_s": statistics.median(times), "mean_step_s": wall / steps, "steps": steps,
+            "world_size": dist.get_world_size(), "threads": torch.get_num_threads(), "loss": float(loss)}
+
+
+def kernel_cell(**kw: int) -> str:
+    """The cell the benchmark runs in the distributed kernel."""
+    return ("import json as _json\nfrom benchmarks.ddp_train import train as _train\n"
+            f"_res = _train(**{kw!r})\n"
+            "if rank == 0:\n    print('@@' + _json.dumps(_res))\n")
+
+
+def parse(text: str) -> dict:
+    """The result line rank 0 printed (labelled or not)."""
+    for line in text.splitlines():
+        if "@@" in line:
+            return json.loads(line.split("@@", 1)[1])
+    raise ValueError(f"no result line in output: {text[-500:]!r}")
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    p = argparse.ArgumentParser()
+    for name, default in (("steps", 40), ("warmup", 5), ("batch", 64), ("width", 256), ("depth", 3)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    res = train(steps=a.steps, warmup=a.warmup, batch=a.batch, width=a.width, depth=a.depth)
+    if dist.get_rank() == 0:
+        print("@@" + json.dumps(res), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

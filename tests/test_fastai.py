@@ -1,0 +1,169 @@
+"""fastai notebooks, unchanged, on 2 real ranks (real kernel, real fastai, gloo on CPU).
+
+The example notebooks run through nbclient as they are; the test only adds cells before and
+after them that report evidence from every rank as ``DKTEST {json}`` lines.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from harness import DistKernel
+from nbclient import NotebookClient
+
+from dist_kernel.runner import kernel_manager
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+_LINE = re.compile(r"^(?:\[rank (?P<ranks>[\d,\-]+)\] )?DKTEST (?P<json>\{.*\})$", re.M)
+
+# before the notebook: log who downloads and who extracts (instrumentation, nothing replaced)
+BEFORE = """\
+import os, shutil, sys, json, torch.distributed as _dist
+DKTEST_FASTAI_LOADED = 'fastai' in sys.modules
+def _dk_logged(fn, what):
+    def inner(*a, **k):
+        with open(os.environ['DKTEST_LOG'], 'a') as f: f.write(f'{what} {_dist.get_rank()}\\n')
+        return fn(*a, **k)
+    return inner
+shutil.unpack_archive = _dk_logged(shutil.unpack_archive, 'extract')
+import fastdownload
+fastdownload.FastDownload.get = _dk_logged(fastdownload.FastDownload.get, 'get')
+"""
+
+# after the notebook: a probe fit, replica checksums, get_preds against a plain forward pass
+PROBE = """\
+import hashlib, torch
+from torch.nn.parallel import DistributedDataParallel as _DDP
+class _Probe(Callback):
+    def before_fit(self): self.ddp, self.batches, self.items = True, 0, 0
+    def after_batch(self):  # every training step ran on a DDP-wrapped model
+        if self.training: self.ddp &= isinstance(self.learn.model, _DDP); self.batches += 1; self.items += find_bs(self.yb)
+_probe, _logger = _Probe(), learn.logger
+learn.fit(1, 1e-4, cbs=_probe)
+print('DKTEST', json.dumps(dict(rank=rank, ddp=_probe.ddp, batches=_probe.batches, items=_probe.items,
+      total_batches=len(learn.dls.train), total_items=len(learn.dls.train_ds), bs=learn.dls.train.bs,
+      unwrapped=not isinstance(learn.model, _DDP), loaders_restored=type(learn.dls.train).__name__,
+      logger_restored=learn.logger is _logger, fastai_loaded_before=DKTEST_FASTAI_LOADED)))
+"""
+CHECKSUM = """\
+_h = hashlib.sha256()
+for _k, _v in learn.model.state_dict().items(): _h.update(_k.encode()); _h.update(_v.detach().cpu().numpy().tobytes())
+print('DKTEST', json.dumps(dict(rank=rank, state=_h.hexdigest())))
+"""
+PREDS = """\
+preds, targs = learn.get_preds()
+_dl = learn.dls.valid.new(shuffle=False, drop_last=False)
+learn.model.eval()
+with torch.no_grad():
+    _ref = torch.cat([learn.model(*b[:_dl.n_inp]) for b in _dl]).softmax(-1)
+    _ys = torch.cat([b[-1].view(-1) for b in _dl])
+print('DKTEST', json.dumps(dict(rank=rank, rows=len(preds), n_valid=len(learn.dls.valid_ds),
+      targs_in_order=bool((targs.view(-1) == _ys).all()), preds_match=bool(torch.allclose(preds, _ref, atol=1e-5)))))
+"""
+
+
+def _run(name: str, before: list[str], after: list[str], tmp_path: Path, monkeypatch) -> tuple[list, list[dict]]:
+    monkeypatch.setenv("FASTAI_HOME", str(tmp_path / "fastai_home"))
+    monkeypatch.setenv("DKTEST_LOG", str(tmp_path / "log.txt"))
+    nb = nbformat.read(EXAMPLES / name, as_version=4)
+    n_before = len(before)
+    nb.cells = ([nbformat.v4.new_code_cell(c) for c in before] + nb.cells
+                + [nbformat.v4.new_code_cell(c) for c in after])
+    client = NotebookClient(nb, km=kernel_manager(["--ranks", "2"]), timeout=240,
+                            resources={"metadata": {"path": str(EXAMPLES)}})
+    client.execute()
+    evidence = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.output_type == "stream":
+                for m in _LINE.finditer(out.text):
+                    evidence.append(json.loads(m["json"]))
+    return nb.cells[n_before:len(nb.cells) - len(after)], evidence
+
+
+def _progress_outputs(cell) -> list:
+    return [o for o in cell.get("outputs", []) if "fastprogress" in json.dumps(o.get("data", {}))
+            or "<progress" in json.dumps(o.get("data", {}))]
+
+
+def _check_training_evidence(ev: list[dict]) -> None:
+    probes = {e["rank"]: e for e in ev if "ddp" in e}
+    assert set(probes) == {0, 1}
+    for p in probes.values():
+        assert p["ddp"] and p["unwrapped"] and p["logger_restored"]
+        assert p["loaders_restored"] != "DistributedDL"
+        assert not p["fastai_loaded_before"]  # installing the integration imported no fastai
+        # each rank trains on about half of the batches and of the items
+        assert abs(p["batches"] - p["total_batches"] / 2) <= 1, p
+        assert abs(p["items"] - p["total_items"] / 2) <= p["bs"], p
+    states = {e["rank"]: e["state"] for e in ev if "state" in e}
+    assert set(states) == {0, 1} and states[0] == states[1]  # replicas bit-identical
+    preds = [e for e in ev if "rows" in e]
+    assert len(preds) in (1, 2)  # the same line from both ranks is merged into one
+    for p in preds:
+        assert p["rows"] == p["n_valid"] and p["targs_in_order"] and p["preds_match"], p
+
+
+def test_vision_notebook_trains_data_parallel(tmp_path, monkeypatch):
+    cells, ev = _run("fastai_pets_tiny.ipynb", [BEFORE], [PROBE, CHECKSUM, PREDS], tmp_path, monkeypatch)
+    _check_training_evidence(ev)
+    # untar_data ran once, on rank 0; the archive was extracted once
+    assert (tmp_path / "log.txt").read_text().split("\n")[:-1] == ["get 0", "extract 0"]
+
+    src = {i: "".join(c.source) for i, c in enumerate(cells) if c.cell_type == "code"}
+    fine_tune = next(i for i, s in src.items() if "fine_tune" in s)
+    lr_find = next(i for i, s in src.items() if "lr_find" in s)
+    # one progress bar per fit, as on one process (fine_tune = 2 fits), and all from rank 0
+    assert len(_progress_outputs(cells[fine_tune])) == 2
+    for cell in cells:
+        for out in _progress_outputs(cell):
+            assert out.metadata.get("dist_kernel", {}).get("ranks", [0]) == [0]
+    # lr_find finished with the same suggestion on both ranks: one unlabelled result
+    results = [o for o in cells[lr_find].outputs if o.output_type == "execute_result"]
+    assert len(results) == 1 and results[0].data["text/plain"].startswith("SuggestedLRs(valley=")
+    # the trained model is good, and predict/export/load_learner worked on every rank
+    assert re.search(r"is this a cat\? (True|False)\.", "".join(
+        o.get("text", "") for c in cells for o in c.get("outputs", []) if o.output_type == "stream"))
+
+
+MAGIC = """\
+%dist_fastai off
+_probe = _Probe()
+learn.fit(1, 1e-4, cbs=_probe)
+print('DKTEST', json.dumps(dict(rank=rank, off_ddp=_probe.ddp, off_batches=_probe.batches,
+      total_batches=len(learn.dls.train))))
+%dist_fastai on
+"""
+
+
+def test_tabular_notebook_trains_data_parallel_and_the_magic_switches_off(tmp_path, monkeypatch):
+    cells, ev = _run("fastai_tabular.ipynb", [BEFORE], [PROBE, CHECKSUM, PREDS, MAGIC], tmp_path, monkeypatch)
+    _check_training_evidence(ev)
+    src = {i: "".join(c.source) for i, c in enumerate(cells) if c.cell_type == "code"}
+    lr_find = next(i for i, s in src.items() if "lr_find" in s)
+    results = [o for o in cells[lr_find].outputs if o.output_type == "execute_result"]
+    assert len(results) == 1 and results[0].data["text/plain"].startswith("SuggestedLRs(valley=")
+    fit = next(i for i, s in src.items() if "fit_one_cycle" in s)
+    assert len(_progress_outputs(cells[fit])) == 1
+    # %dist_fastai off: plain fastai again, each rank on every batch, no DDP
+    off = [e for e in ev if "off_ddp" in e]
+    assert off and all(not e["off_ddp"] and e["off_batches"] == e["total_batches"] for e in off)
+
+
+def test_fastai_off_in_the_kernelspec_leaves_fastai_untouched():
+    k = DistKernel("--ranks", "2", "--fastai", "off")
+    try:
+        res = k.execute("import sys, fastai.learner, fastai.data.external\n"
+                        "print(any(type(f).__name__ == '_PatchOnImport' for f in sys.meta_path),"
+                        " hasattr(fastai.learner.Learner.fit, '__dist_kernel__'),"
+                        " hasattr(fastai.data.external.untar_data, '__dist_kernel__'))", timeout=120)
+        assert res.status == "ok" and res.stream() == "False False False\n"
+        assert k.execute("%dist_fastai on").status == "error"  # no magic either
+    finally:
+        k.shutdown()
