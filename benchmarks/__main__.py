@@ -90,7 +90,11 @@ def run_dist(n: int, plain: Kernel, cfg: dict, res: dict) -> None:
     finally:
         k.shutdown()
     log(f"{n} rank(s): torchrun")
-    out["torchrun"] = measure.train_torchrun(n, **cfg["train"])
+    try:
+        out["torchrun"] = measure.train_torchrun(n, **cfg["train"])
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        out["torchrun"] = {"error": f"{type(e).__name__}: {str(e)[-300:]}", "median_step_s": float("nan"),
+                           "mean_step_s": float("nan"), "threads": "?"}
     log(f"{n} rank(s): step {out['train']['median_step_s'] * 1e3:.2f} ms in kernel vs "
         f"{out['torchrun']['median_step_s'] * 1e3:.2f} ms torchrun")
     if n in cfg["startup_repeat_ranks"]:

@@ -75,6 +75,7 @@ def main() -> None:
     res = train(steps=a.steps, warmup=a.warmup, batch=a.batch, width=a.width, depth=a.depth)
     if dist.get_rank() == 0:
         print("@@" + json.dumps(res), flush=True)
+    dist.barrier()  # nobody leaves while a peer still talks to it (gloo aborts on that)
     dist.destroy_process_group()
 
 

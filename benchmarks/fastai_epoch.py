@@ -31,9 +31,9 @@ import time, torch
 torch.set_num_threads(1)
 rng = np.random.default_rng(0)
 n = {rows}
-df = pd.DataFrame({{'a': rng.normal(size=n), 'b': rng.normal(size=n), 'c': rng.choice(list('xyz'), n)}})
-df['y'] = np.where(df.a + df.b + (df.c == 'x') > 0.5, 'hi', 'lo')
-dls = TabularDataLoaders.from_df(df, y_names='y', cat_names=['c'], cont_names=['a', 'b'],
+df = pd.DataFrame({{'a': rng.normal(size=n), 'b': rng.normal(size=n), 'k': rng.choice(list('xyz'), n)}})
+df['y'] = np.where(df.a + df.b + (df.k == 'x') > 0.5, 'hi', 'lo')
+dls = TabularDataLoaders.from_df(df, y_names='y', cat_names=['k'], cont_names=['a', 'b'],
                                  procs=[Categorify, Normalize], bs=64, num_workers=0)
 learn = tabular_learner(dls, layers=[256, 256], metrics=accuracy)
 with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)  # warm-up

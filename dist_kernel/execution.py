@@ -16,8 +16,10 @@ from dist_kernel.merge import CellMerger, merge_errors
 
 #: IOPub message types that are cell outputs and go through the merger
 OUTPUT_TYPES = {"stream", "display_data", "execute_result", "update_display_data", "clear_output", "error"}
-#: how often held output is published while a cell runs (keeps message rate low)
+#: how often held output is looked at while a cell runs
 TICK = 0.05
+#: ready output is published at once, but at most once per MIN_FLUSH (keeps the message rate low)
+MIN_FLUSH = 0.01
 
 Publish = Callable[[str, dict], None]
 #: called when some ranks finished and others are still busy past the grace period
@@ -55,6 +57,7 @@ class CellRun:
         self.finished: set[int] = set()
         self.msg_ids: dict[str, int] = {}  # child msg_id -> rank
         self.closed = False
+        self._last_flush = 0.0
         self._done = asyncio.Event()
 
     # ------------------------------------------------ called by the kernel
@@ -76,6 +79,8 @@ class CellRun:
                 self.publish(msg_type, content)
                 return
             self.merger.add(rank, msg_type, content, self.clock())
+            if self.merger.ready and self.clock() - self._last_flush >= MIN_FLUSH:
+                self.flush()  # publish at once, but not more often than MIN_FLUSH
 
     def on_reply(self, rank: int, content: dict) -> None:
         self.replies[rank] = content
@@ -103,7 +108,8 @@ class CellRun:
 
     # ------------------------------------------------------------- driving
     def flush(self) -> None:
-        self.merger.poll(self.clock())
+        self._last_flush = self.clock()
+        self.merger.poll(self._last_flush)
         for msg_type, content in self.merger.take():
             self.publish(msg_type, content)
 

@@ -50,7 +50,10 @@ def _uses_fastai_ddp(learn: Any) -> bool:
 def _quiet_other_ranks(learn: Any) -> Iterator[None]:
     """Rank 0 alone shows the progress bar and the metrics table; the logger comes back after."""
     if fi.rank() == 0:
-        yield
+        from dist_kernel.rank_agent import solo_output
+
+        with solo_output():  # the only bar and table: shown unlabelled, as in one process
+            yield
         return
     from fastai.callback.progress import ProgressCallback
 

@@ -63,6 +63,7 @@ class DistributedKernel(Kernel):
     help_links = [{"text": "dist_kernel", "url": "https://pypi.org/project/dist-kernel/"}]
 
     dist_config = AnyTrait(None)  # KernelConfig, or the ConfigError found at launch
+    _execute_sleep = 0.0  # the base class sleeps 0.5 ms per reply, blocking the event loop
     # comms (widgets, tqdm.notebook) are not in the base Kernel's message types
     msg_types = [*Kernel.msg_types, "comm_open", "comm_msg", "comm_close"]
 
@@ -423,11 +424,22 @@ class DistributedKernel(Kernel):
 
     # ----------------------------------------------------- simple requests
     async def _ask_rank(self, msg_type: str, content: dict, fallback: dict) -> dict:
-        """Answer from rank 0, the rank that holds the user's variables."""
-        if self.supervisor is None or not self.supervisor.ready.is_set() or self.supervisor.start_error:
+        """Answer from a live rank: the first one a ``%%rank`` line in the code names, else rank 0.
+
+        The ``%%rank`` line is blanked to the same length, so cursor offsets stay valid.
+        """
+        sup = self.supervisor
+        if sup is None or not sup.ready.is_set() or sup.start_error:
             return fallback
+        rank = 0
+        if "code" in content:
+            try:
+                plan = plan_cell(content["code"], sup.config.world_size)
+                rank, content = plan.ranks[0], dict(content, code=plan.code)
+            except RankSpecError:
+                pass
         try:
-            return await self.supervisor.request(0, msg_type, content)
+            return await sup.request(rank, msg_type, content)
         except Exception:  # noqa: BLE001 - a dead or busy rank: answer without it
             return fallback
 

@@ -26,9 +26,10 @@ Errors are not published inline: :func:`merge_errors` turns all ranks' errors in
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,9 +40,14 @@ Emit = tuple[str, dict]  # (msg_type, content)
 RICH_TYPES = ("display_data", "execute_result", "update_display_data")
 
 
+@functools.lru_cache(maxsize=1024)
+def _label(ranks: tuple[int, ...]) -> str:
+    return f"[rank {format_ranks(ranks)}] "
+
+
 def label(ranks: Sequence[int]) -> str:
     """The prefix that marks output as coming from these ranks only."""
-    return f"[rank {format_ranks(ranks)}] "
+    return _label(tuple(ranks))
 
 
 def namespaced_display_id(display_id: str, rank: int) -> str:
@@ -49,12 +55,13 @@ def namespaced_display_id(display_id: str, rank: int) -> str:
     return f"{display_id}@rank{rank}"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Item:
     kind: str  # "stream" or an IOPub msg_type
     key: Hashable
     content: dict
     t: float
+    solo: bool = False  # shown unlabelled as soon as it is at the head (output policy rank0)
 
 
 @dataclass
@@ -107,14 +114,14 @@ class CellMerger:
 
     ranks: Sequence[int]
     window: float = 0.1
-    max_pending: int = 20_000  # per rank; beyond it the oldest item is published labelled
+    max_pending: int = 100_000  # per rank; beyond it the oldest item is published labelled
     errors: dict[int, dict] = field(default_factory=dict)
     rich_from: int | None = None  # output policy "rank0": rich output from this rank only
 
     def __post_init__(self) -> None:
         self.ranks = tuple(self.ranks)
         self._queues: dict[int, deque[_Item]] = {r: deque() for r in self.ranks}
-        self._counts: dict[int, Counter] = {r: Counter() for r in self.ranks}
+        self._counts: dict[int, dict[Hashable, int]] = {r: {} for r in self.ranks}
         self._partials: dict[tuple[int, str], _Partial] = {}
         self._done: set[int] = set()
         self._out: list[Emit] = []
@@ -161,6 +168,11 @@ class CellMerger:
         self._drain(now, final=True)
 
     @property
+    def ready(self) -> bool:
+        """Is there output to publish?"""
+        return bool(self._out)
+
+    @property
     def pending(self) -> int:
         return sum(len(q) for q in self._queues.values()) + sum(
             1 for p in self._partials.values() if p.text)
@@ -168,12 +180,18 @@ class CellMerger:
     def take(self) -> list[Emit]:
         """Messages to publish now, consecutive stream text of one name coalesced."""
         out: list[Emit] = []
+        texts: list[str] = []  # pieces of the stream message being built (joined once: no O(n^2))
         for msg_type, content in self._out:
             if (msg_type == "stream" and out and out[-1][0] == "stream"
                     and out[-1][1]["name"] == content["name"]):
-                out[-1] = ("stream", {"name": content["name"], "text": out[-1][1]["text"] + content["text"]})
-            else:
-                out.append((msg_type, content))
+                texts.append(content["text"])
+                continue
+            if texts:
+                out[-1][1]["text"] = "".join(texts)
+            texts = [content["text"]] if msg_type == "stream" else []
+            out.append((msg_type, dict(content) if msg_type == "stream" else content))
+        if texts:
+            out[-1][1]["text"] = "".join(texts)
         self._out = []
         return out
 
@@ -206,19 +224,75 @@ class CellMerger:
             key: Hashable = (msg_type, "display_id", rank, display_id, id(content))  # never collapses
         else:
             key = (msg_type, _json_key(content.get("data")), _json_key(content.get("metadata")))
-        self._push(rank, _Item(msg_type, key, content, now))
+        meta = content.get("metadata") or {}
+        marked = isinstance(meta.get("dist_kernel"), dict) and meta["dist_kernel"].get("solo")
+        if marked:  # the rank said this output is its alone (rank_agent.solo_output)
+            content["metadata"] = {k: v for k, v in meta.items() if k != "dist_kernel"}
+        solo = (self.rich_from is not None or bool(marked)) and len(self.ranks) > 1
+        self._push(rank, _Item(msg_type, (key, rank) if solo else key, content, now, solo=solo))
 
     def _push(self, rank: int, item: _Item) -> None:
         self._queues[rank].append(item)
-        self._counts[rank][item.key] += 1
+        c = self._counts[rank]
+        c[item.key] = c.get(item.key, 0) + 1
 
     def _pop(self, rank: int) -> _Item:
         item = self._queues[rank].popleft()
         c = self._counts[rank]
-        c[item.key] -= 1
-        if not c[item.key]:
+        n = c[item.key] - 1
+        if n:
+            c[item.key] = n
+        else:
             del c[item.key]
         return item
+
+    def _pop_own_run(self, rank: int, now: float, force: bool) -> None:
+        """Fast path for floods of rank-specific lines: publish, as one labelled piece, the due
+        stream lines of ``rank`` that no other rank has queued."""
+        queue, others = self._queues[rank], [self._counts[q] for q in self.ranks if q != rank]
+        name = queue[0].content["name"]
+        texts: list[str] = []
+        while queue:
+            item = queue[0]
+            if (item.kind != "stream" or item.content["name"] != name
+                    or not (force or now - item.t >= self.window or len(queue) > self.max_pending)
+                    or (texts and any(item.key in c for c in others))):
+                break
+            texts.append(self._pop(rank).content["text"])
+        text = "".join(texts)
+        self._emit(_Item("stream", None, {"name": name, "text": text}, now), [rank])
+
+    def _pop_common_run(self) -> bool:
+        """Fast path for floods: pop the run of items that every rank has, identical, at its head;
+        consecutive stream lines of one name are published as one piece of text."""
+        queues = [self._queues[r] for r in self.ranks]
+        counts = [self._counts[r] for r in self.ranks]
+        first, others = queues[0], queues[1:]
+        n = min(len(q) for q in queues)
+        texts: list[str] = []
+        name = None
+        done = 0
+        while done < n:
+            item = first[0]
+            key = item.key
+            if any(q[0].key != key for q in others) or item.kind != "stream":
+                break
+            if name is not None and item.content["name"] != name:
+                break
+            name = item.content["name"]
+            texts.append(item.content["text"])
+            for q, c in zip(queues, counts, strict=True):
+                q.popleft()
+                k = c[key] - 1
+                if k:
+                    c[key] = k
+                else:
+                    del c[key]
+            done += 1
+        if texts:
+            text = "".join(texts)
+            self._emit(_Item("stream", None, {"name": name, "text": text}, 0.0), None)
+        return done > 0
 
     def _drain(self, now: float, final: bool = False) -> None:
         queues, parts = self._queues, self.ranks
@@ -226,7 +300,13 @@ class CellMerger:
             live = [r for r in parts if queues[r]]
             if not live:
                 return
+            solo = next((r for r in live if queues[r][0].solo), None)
+            if solo is not None:  # the one rank whose rich output is shown: as if all showed it
+                self._emit(self._pop(solo), None)
+                continue
             if len(live) == len(parts):
+                if len(parts) > 1 and not self._area_ranks and self._pop_common_run():
+                    continue
                 key = queues[live[0]][0].key
                 if all(queues[r][0].key == key for r in live):
                     items = [self._pop(r) for r in live]
@@ -234,7 +314,8 @@ class CellMerger:
                     continue
                 if self._match_deeper(live):
                     continue
-            hopeless = final or any(r in self._done and not queues[r] for r in parts)
+            # every rank has a head, they differ and none is queued by all: waiting cannot help
+            hopeless = final or len(live) == len(parts) or any(r in self._done and not queues[r] for r in parts)
             due = [r for r in live if hopeless or now - queues[r][0].t >= self.window
                    or len(queues[r]) > self.max_pending]
             if not due:
@@ -246,6 +327,10 @@ class CellMerger:
                     continue
                 head = queues[r][0]
                 group = [q for q in live if q not in popped and queues[q][0].key == head.key]
+                if group == [r] and head.kind == "stream" and not self._area_ranks:
+                    self._pop_own_run(r, now, final or hopeless)
+                    popped.add(r)
+                    continue
                 for q in group:
                     self._pop(q)
                 popped.update(group)
@@ -256,7 +341,7 @@ class CellMerger:
         queues = self._queues
         for r in sorted(live, key=lambda q: queues[q][0].t):
             key = queues[r][0].key
-            if all(self._counts[q][key] for q in self.ranks):
+            if all(self._counts[q].get(key) for q in self.ranks):
                 for q in self.ranks:
                     while queues[q][0].key != key:
                         self._emit(self._pop(q), [q])

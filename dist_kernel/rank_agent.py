@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 
 _state: dict[str, object] = {"empty_cache": True}
 
@@ -107,6 +109,30 @@ def after_cell(result: object = None) -> None:
         return
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def solo_output() -> Iterator[None]:
+    """Rich output shown while this is active is this rank's alone (say, rank 0's progress bar
+    while the other ranks hide theirs): the parent shows it unlabelled, as one process would."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    pub = getattr(shell, "display_pub", None)
+    if pub is None:
+        yield
+        return
+    original = pub.publish
+
+    def publish(data: dict, metadata: dict | None = None, *args: object, **kwargs: object) -> None:
+        metadata = dict(metadata or {}, dist_kernel={"solo": True})
+        original(data, metadata, *args, **kwargs)
+
+    pub.publish = publish
+    try:
+        yield
+    finally:
+        pub.publish = original
 
 
 def set_empty_cache(on: bool) -> None:

@@ -153,6 +153,8 @@ class RankSupervisor:
         })
         for key, value in LOOPBACK_ENV.items():
             env.setdefault(key, value)
+        # as torchrun does: N ranks each using every core would oversubscribe the CPU N-fold
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.world_size)))
         if cfg.gpus:
             # the same mask for every rank, so LOCAL_RANK indexes it (what accelerate expects)
             parent_mask = [p.strip() for p in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if p.strip()]

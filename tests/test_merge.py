@@ -211,3 +211,14 @@ def _expand(spec: str) -> list[int]:
         lo, _, hi = piece.partition("-")
         out += list(range(int(lo), int(hi or lo) + 1))
     return out
+
+
+class TestSoloOutput:
+    def test_output_a_rank_marks_as_its_alone_is_shown_unlabelled_at_once(self):
+        c = {"data": {"text/html": "<progress>"}, "metadata": {"dist_kernel": {"solo": True}},
+             "transient": {"display_id": "bar"}}
+        m = CellMerger([0, 1], W)
+        m.add(0, "display_data", c, 0.0)
+        ((t, out),) = m.take()
+        assert t == "display_data" and out["data"] == {"text/html": "<progress>"}
+        assert out["metadata"] == {} and out["transient"]["display_id"] == namespaced_display_id("bar", 0)
