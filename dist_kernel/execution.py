@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from dist_kernel.merge import CellMerger, merge_errors
+from dist_kernel.throttle import StreamThrottle
 
 #: IOPub message types that are cell outputs and go through the merger
 OUTPUT_TYPES = {"stream", "display_data", "execute_result", "update_display_data", "clear_output", "error"}
@@ -38,6 +39,9 @@ class CellRun:
                  on_stall: OnStall | None = None, hang_grace: float = 10.0,
                  rich_from: int | None = None) -> None:
         self.ranks = tuple(ranks)
+        self.throttle = StreamThrottle(publish)
+        self._direct = publish  # for the odd line printed after the cell ended
+        publish = self.throttle.publish
         self.world = tuple(world) if world is not None else self.ranks
         self.started = clock()
         self.publish = publish
@@ -76,7 +80,7 @@ class CellRun:
                 if msg_type == "stream" and len(self.world) > 1:
                     text = "".join(f"[rank {rank}] {x}" for x in content.get("text", "").splitlines(keepends=True))
                     content = dict(content, text=text)
-                self.publish(msg_type, content)
+                self._direct(msg_type, content)
                 return
             self.merger.add(rank, msg_type, content, self.clock())
             if self.merger.ready and self.clock() - self._last_flush >= MIN_FLUSH:
@@ -130,6 +134,7 @@ class CellRun:
         self.merger.finish(self.clock())
         for msg_type, content in self.merger.take():
             self.publish(msg_type, content)
+        self.throttle.close()
         self.closed = True
         return merge_errors(self.merger.errors, self.ranks)
 

@@ -114,7 +114,7 @@ class CellMerger:
 
     ranks: Sequence[int]
     window: float = 0.1
-    max_pending: int = 100_000  # per rank; beyond it the oldest item is published labelled
+    max_pending: int = 20_000  # per rank; beyond it the oldest item is published labelled
     errors: dict[int, dict] = field(default_factory=dict)
     rich_from: int | None = None  # output policy "rank0": rich output from this rank only
 

@@ -222,3 +222,35 @@ class TestSoloOutput:
         ((t, out),) = m.take()
         assert t == "display_data" and out["data"] == {"text/html": "<progress>"}
         assert out["metadata"] == {} and out["transient"]["display_id"] == namespaced_display_id("bar", 0)
+
+
+class TestThrottle:
+    def test_a_flood_is_cut_to_head_and_tail_with_the_full_text_saved(self, tmp_path):
+        from dist_kernel.throttle import StreamThrottle
+
+        shown: list[tuple[str, dict]] = []
+        now = [0.0]
+        th = StreamThrottle(lambda t, c: shown.append((t, c)), rate=1000, burst=2000,
+                            clock=lambda: now[0], spill_dir=str(tmp_path))
+        lines = [f"line {i}\n" for i in range(1000)]
+        for i in range(0, 1000, 10):
+            th.publish("stream", {"name": "stdout", "text": "".join(lines[i:i + 10])})
+            now[0] += 0.01
+        th.close()
+        first_note = next(i for i, (_, c) in enumerate(shown) if c["name"] == "stderr")
+        live = "".join(c["text"] for _, c in shown[:first_note])
+        tail = "".join(c["text"] for _, c in shown[first_note:] if c["name"] == "stdout")
+        assert live.startswith("line 0\n") and len(live) <= 2000 + 1000 * now[0]  # burst + rate
+        assert tail == "".join(lines[-20:])  # the cell's final lines are delivered
+        assert live + open(th.spill_path).read() == "".join(lines)  # and nothing is lost
+        notes = "".join(c["text"] for _, c in shown if c["name"] == "stderr")
+        assert th.spill_path in notes and "were not shown" in notes
+
+    def test_ordinary_output_passes_untouched(self):
+        from dist_kernel.throttle import StreamThrottle
+
+        shown = []
+        th = StreamThrottle(lambda t, c: shown.append(c["text"]))
+        th.publish("stream", {"name": "stdout", "text": "hello\n"})
+        th.close()
+        assert shown == ["hello\n"]
