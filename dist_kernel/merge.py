@@ -14,9 +14,9 @@ the queues like a diff:
 - an item waits at most ``window`` seconds for its twins from the other ranks, so output
   stays live; each rank's own order is always kept; nothing is dropped.
 
-In a cell run by several ranks, a rank that calls ``clear_output`` or rewrites its line with
-``\r`` (progress bars) would erase or garble the other ranks' output. Instead, that output
-goes to an *area*: one display per group of ranks, updated in place with
+In a cell run by several ranks, a rank that calls ``clear_output`` on its own (the others
+have not reached the same point) or rewrites its line with ``\r`` (progress bars) would erase
+or garble the other ranks' output. Instead, that output goes to an *area*: one display per group of ranks, updated in place with
 ``update_display_data`` (what ipyparallel does per engine).
 
 Errors are not published inline: :func:`merge_errors` turns all ranks' errors into the one
@@ -358,12 +358,13 @@ class CellMerger:
         group = list(self.ranks) if ranks is None else ranks
         lab = None if ranks is None else label(ranks)
         if item.kind == "clear_output":
-            if not multi:
+            if not multi or (ranks is None and not self._area_ranks):
+                # every rank cleared at the same point of its output: one clear, as one process
                 self._open.clear()
                 self._out.append(("clear_output", item.content))
                 return
-            # one rank clearing would wipe every rank's output: from now on this group's
-            # output is shown in its own areas, which a clear empties
+            # one rank clearing alone would wipe the other ranks' output: from now on this
+            # group's output is shown in its own areas, which its clears empty
             self._area_ranks.update(group)
             self._pending_clear.update(group)
             if not item.content.get("wait"):

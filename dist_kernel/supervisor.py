@@ -138,9 +138,16 @@ class RankSupervisor:
         self.ready.set()
 
     async def _start(self) -> None:
-        await asyncio.gather(*(self._launch(r) for r in range(self.config.world_size)))
         self._watch_task = asyncio.ensure_future(self._watch())
-        await self.form_group()
+        self.generation = 1
+        store = store_path(self.runtime_dir, self.generation)
+
+        async def launch_and_join(rank: int) -> None:
+            # each rank starts importing torch and joining as soon as *it* is up
+            await self._launch(rank)
+            await self._join(rank, store, first=True)
+
+        await asyncio.gather(*(launch_and_join(r) for r in range(self.config.world_size)))
 
     def _env(self, rank: int) -> dict[str, str]:
         cfg = self.config
@@ -190,35 +197,32 @@ class RankSupervisor:
                    asyncio.ensure_future(self._pump_stdin(r))]
 
     async def form_group(self) -> None:
-        """Every live rank joins a fresh process group (a new store file per formation).
-
-        The first formation also installs the rank agent, seeds every rank alike and turns
-        on the fastai integration; later ones (after a failure) only re-form the group.
-        """
+        """Every rank joins a fresh process group (a new store file per formation): used to
+        re-form the group after a failure tore it down."""
         self.generation += 1
-        first = self.generation == 1
         store = store_path(self.runtime_dir, self.generation)
+        await asyncio.gather(*(self._join(r, store, first=False) for r in self.ranks))
+
+    async def _join(self, rank: int, store: str, first: bool) -> None:
+        """One rank joins the group at ``store``. The first formation also installs the rank
+        agent, seeds every rank alike and turns on the fastai integration."""
         cfg = self.config
-
-        async def join(rank: int) -> None:
-            args = dict(rank=rank, world_size=cfg.world_size, backend=cfg.backend, store=store,
-                        timeout=cfg.timeout, use_cuda=cfg.uses_cuda, seed=self.seed if first else None,
-                        fastai=cfg.fastai and first)
-            agent = dict(rank=rank, parent_pid=os.getpid(), runtime_dir=self.runtime_dir,
-                         empty_cache=cfg.empty_cache)
-            code = ("import dist_kernel.rank_agent as _dk_agent, dist_kernel.rendezvous as _dk_rdzv\n"
-                    f"_dk_agent.setup(**{agent!r})\n_dk_rdzv.join(**{args!r})")
-            reply = await self.run_silent(rank, code, {"device": "str(device)"})
-            if reply.get("status") != "ok":
-                tb = strip_ansi("\n".join(reply.get("traceback", [])[-6:])) or f"{reply.get('ename')}: {reply.get('evalue')}"
-                raise RankStartError(
-                    f"rank {rank} could not join the {cfg.backend} process group:\n{tb}\n"
-                    f"Fix: make sure `import torch` works in {sys.executable} and the options suit this "
-                    "machine, then restart the kernel.")
-            dev = reply.get("user_expressions", {}).get("device", {})
-            self.ranks[rank].device = dev.get("data", {}).get("text/plain", "").strip("'")
-
-        await asyncio.gather(*(join(r) for r in self.ranks))
+        args = dict(rank=rank, world_size=cfg.world_size, backend=cfg.backend, store=store,
+                    timeout=cfg.timeout, use_cuda=cfg.uses_cuda, seed=self.seed if first else None,
+                    fastai=cfg.fastai and first)
+        agent = dict(rank=rank, parent_pid=os.getpid(), runtime_dir=self.runtime_dir,
+                     empty_cache=cfg.empty_cache)
+        code = ("import dist_kernel.rank_agent as _dk_agent, dist_kernel.rendezvous as _dk_rdzv\n"
+                f"_dk_agent.setup(**{agent!r})\n_dk_rdzv.join(**{args!r})")
+        reply = await self.run_silent(rank, code, {"device": "str(device)"})
+        if reply.get("status") != "ok":
+            tb = strip_ansi("\n".join(reply.get("traceback", [])[-6:])) or f"{reply.get('ename')}: {reply.get('evalue')}"
+            raise RankStartError(
+                f"rank {rank} could not join the {cfg.backend} process group:\n{tb}\n"
+                f"Fix: make sure `import torch` works in {sys.executable} and the options suit this "
+                "machine, then restart the kernel.")
+        dev = reply.get("user_expressions", {}).get("device", {})
+        self.ranks[rank].device = dev.get("data", {}).get("text/plain", "").strip("'")
 
     async def where(self, rank: int, wait: float = 1.5) -> dict:
         """Where a rank's cell is, read by its watchdog thread (works while it is blocked in C++)."""

@@ -43,6 +43,33 @@ class Result:
         return [o for o in self.outputs if o.msg_type == msg_type]
 
 
+def visible(outputs: list[tuple[str, dict]]) -> str:
+    """What a frontend shows at the end, replaying outputs as JupyterLab does: clear_output
+    (wait=True clears at the next output), display updates by display_id, stream appends."""
+    shown: list[list] = []  # [msg_type, display_id, text]
+    clear_pending = False
+    for msg_type, content in outputs:
+        if msg_type == "clear_output":
+            if content.get("wait"):
+                clear_pending = True
+            else:
+                shown = []
+            continue
+        if msg_type == "update_display_data":
+            for out in shown:
+                if out[1] == content["transient"]["display_id"]:
+                    out[2] = content["data"].get("text/plain", "")
+            continue
+        if clear_pending:
+            shown, clear_pending = [], False
+        if msg_type == "stream":
+            shown.append(["stream", None, content["text"]])
+        elif msg_type in ("display_data", "execute_result"):
+            shown.append([msg_type, (content.get("transient") or {}).get("display_id"),
+                          content["data"].get("text/plain", "")])
+    return "".join(o[2] if o[0] == "stream" else o[2] + "\n" for o in shown)
+
+
 class DistKernel:
     """A started kernel with a blocking client."""
 
