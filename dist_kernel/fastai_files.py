@@ -4,8 +4,8 @@
 ``verify_images`` write to the filesystem the ranks share. Run on N ranks at once they race
 (half-written archives, files resized twice, ranks listing different images), and
 fastai's ``DistributedDL`` needs every rank to see the same item list. So each call runs on
-rank 0 only; rank 0 then publishes its return value (pickled) in the process group's key
-value store, and the other ranks return that value.
+rank 0 only; rank 0 then publishes its return value (as JSON: paths, lists, plain values) in the
+process group's key value store, and the other ranks return that value.
 
 The other ranks wait by polling the store, not in a collective: a download may take longer
 than the group's collective timeout, and a sleeping poll stays interruptible.
@@ -17,8 +17,8 @@ wait until the files are gone, so a following ``get_image_files`` agrees on ever
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import time
 from collections.abc import Callable
 from functools import wraps
@@ -48,6 +48,42 @@ def wait_for(key: str, poll: float = 0.02, max_poll: float = 0.5) -> bytes:
     return store.get(key)
 
 
+def _encode(status: str, value: Any = None) -> bytes | None:
+    """JSON for what these helpers return (paths, lists of paths, plain values); None if other.
+    Never pickle: the store is shared by processes and pickles execute code when loaded."""
+    from pathlib import Path
+
+    def enc(v: Any) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, Path):
+            return {"path": str(v)}
+        if isinstance(v, (list, tuple)) or type(v).__name__ == "L":
+            return {"list": [enc(x) for x in v]}
+        raise TypeError(type(v).__name__)
+
+    try:
+        return json.dumps({"status": status, "value": enc(value)}).encode()
+    except TypeError:
+        return None
+
+
+def _decode(raw: bytes) -> tuple[str, Any]:
+    from pathlib import Path
+
+    from fastcore.foundation import L
+
+    def dec(v: Any) -> Any:
+        if isinstance(v, dict) and "path" in v:
+            return Path(v["path"])
+        if isinstance(v, dict) and "list" in v:
+            return L([dec(x) for x in v["list"]])
+        return v
+
+    msg = json.loads(raw)
+    return msg["status"], dec(msg["value"])
+
+
 def rank0_once(name: str, fn: Callable, post: Callable[[Any, str], Any] | None = None) -> Callable:
     """``fn`` run by rank 0 alone; every rank returns rank 0's result (``post(result, key)`` if given)."""
 
@@ -64,17 +100,14 @@ def rank0_once(name: str, fn: Callable, post: Callable[[Any, str], Any] | None =
             try:
                 result = fn(*args, **kwargs)
             except BaseException as e:
-                _store().set(key, pickle.dumps(("error", f"{type(e).__name__}: {e}")))
+                _store().set(key, _encode("error", f"{type(e).__name__}: {e}"))
                 raise
             finally:
                 _inside = False
-            try:
-                payload = pickle.dumps(("ok", result))
-            except Exception:  # noqa: BLE001 - unpicklable result: the others compute their own
-                payload = pickle.dumps(("rerun", None))
-            _store().set(key, payload)
+            # a result JSON cannot carry: the other ranks compute their own (the files exist now)
+            _store().set(key, _encode("ok", result) or _encode("rerun"))
             return finish(result, key)
-        status, value = pickle.loads(wait_for(key))
+        status, value = _decode(wait_for(key))
         if status == "error":
             raise RuntimeError(f"{name} failed on rank 0 ({value}); see rank 0's error above.")
         if status == "rerun":

@@ -163,7 +163,9 @@ def test_fastai_off_in_the_kernelspec_leaves_fastai_untouched():
                         "print(any(type(f).__name__ == '_PatchOnImport' for f in sys.meta_path),"
                         " hasattr(fastai.learner.Learner.fit, '__dist_kernel__'),"
                         " hasattr(fastai.data.external.untar_data, '__dist_kernel__'))", timeout=120)
-        assert res.status == "ok" and res.stream() == "False False False\n"
+        # the same on every rank (whether shown once, or labelled because the ranks drifted apart)
+        lines = {re.sub(r"^\[rank [\d,-]+\] ", "", line) for line in res.stream().splitlines()}
+        assert res.status == "ok" and lines == {"False False False"}
         assert k.execute("%dist_fastai on").status == "error"  # no magic either
     finally:
         k.shutdown()

@@ -237,3 +237,15 @@ def test_two_thousand_cells_keep_the_parents_memory_and_files_flat():
         assert rss1 - rss0 < 8 * 2**20, (rss0, rss1)
     finally:
         k.shutdown()
+
+
+def test_nothing_is_ever_unpickled():
+    # the parent and the ranks' agent exchange JSON only (Jupyter messages, probe files);
+    # no module of dist_kernel may load pickles, which would execute code from a socket or file
+    from pathlib import Path
+
+    import dist_kernel
+
+    for path in Path(dist_kernel.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert "import pickle" not in text and "pickle.load" not in text and "cloudpickle" not in text, path
