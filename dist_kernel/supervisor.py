@@ -193,8 +193,7 @@ class RankSupervisor:
             raise RankStartError(
                 f"rank {rank} (pid {r.pid}) did not start: {e}\n{tail}\nFix: check that ipykernel "
                 f"works in {sys.executable}, then restart the kernel.") from None
-        r.tasks = [asyncio.ensure_future(self._pump_iopub(r)), asyncio.ensure_future(self._pump_shell(r)),
-                   asyncio.ensure_future(self._pump_stdin(r))]
+        self._start_pumps(r)
 
     async def form_group(self) -> None:
         """Every rank joins a fresh process group (a new store file per formation): used to
@@ -275,61 +274,43 @@ class RankSupervisor:
         return dict(zip(self.ranks, results, strict=True))
 
     # ------------------------------------------------------------ messaging
-    async def _pump_iopub(self, r: Rank) -> None:
+    async def _pump(self, r: Rank, channel: str, receive: Callable, handle: Callable[[dict], None]) -> None:
+        """Read one channel of a rank forever, handing each message on; a message with a bad
+        HMAC signature (or malformed) is dropped, and one bad message never stops the pump."""
         while True:
             try:
-                msg = await r.kc.get_iopub_msg()
-            except asyncio.CancelledError:
-                raise
-            except ValueError as e:  # bad HMAC signature or malformed: drop it
-                self.log.warning("rank %d: dropped an IOPub message: %s", r.rank, e)
-                continue
-            except Exception:  # noqa: BLE001 - socket closed at shutdown
-                if self._closing:
-                    return
-                self.log.exception("rank %d: IOPub reader failed", r.rank)
-                await asyncio.sleep(0.05)
-                continue
-            try:
-                self.on_iopub(r.rank, msg)
-            except Exception:  # noqa: BLE001 - one bad message must not stop the pump
-                self.log.exception("rank %d: error relaying %s", r.rank, msg.get("msg_type"))
-
-    async def _pump_shell(self, r: Rank) -> None:
-        while True:
-            try:
-                msg = await r.kc.get_shell_msg()
+                msg = await receive()
             except asyncio.CancelledError:
                 raise
             except ValueError as e:
-                self.log.warning("rank %d: dropped a shell message: %s", r.rank, e)
+                self.log.warning("rank %d: dropped a %s message: %s", r.rank, channel, e)
                 continue
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the socket closes at shutdown
                 if self._closing:
                     return
-                self.log.exception("rank %d: shell reader failed", r.rank)
+                self.log.exception("rank %d: %s reader failed", r.rank, channel)
                 await asyncio.sleep(0.05)
                 continue
+            try:
+                handle(msg)
+            except Exception:  # noqa: BLE001
+                self.log.exception("rank %d: error handling %s %s", r.rank, channel, msg.get("msg_type"))
+
+    def _start_pumps(self, r: Rank) -> None:
+        def on_reply(msg: dict) -> None:
             fut = r.pending.pop(msg["parent_header"].get("msg_id"), None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
-    async def _pump_stdin(self, r: Rank) -> None:
-        while True:
-            try:
-                msg = await r.kc.get_stdin_msg()
-            except asyncio.CancelledError:
-                raise
-            except ValueError as e:
-                self.log.warning("rank %d: dropped a stdin message: %s", r.rank, e)
-                continue
-            except Exception:  # noqa: BLE001
-                if self._closing:
-                    return
-                await asyncio.sleep(0.05)
-                continue
+        def on_stdin(msg: dict) -> None:
             if self.on_stdin is not None and msg["msg_type"] == "input_request":
                 self.on_stdin(r.rank, msg)
+
+        r.tasks = [
+            asyncio.ensure_future(self._pump(r, "IOPub", r.kc.get_iopub_msg, lambda m: self.on_iopub(r.rank, m))),
+            asyncio.ensure_future(self._pump(r, "shell", r.kc.get_shell_msg, on_reply)),
+            asyncio.ensure_future(self._pump(r, "stdin", r.kc.get_stdin_msg, on_stdin)),
+        ]
 
     def reply_input(self, rank: int, value: str) -> None:
         r = self.ranks[rank]
