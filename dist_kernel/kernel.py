@@ -124,9 +124,12 @@ class DistributedKernel(Kernel):
         return None
 
     # ------------------------------------------------------------- execute
-    def _publish(self, parent: dict, msg_type: str, content: dict) -> None:
-        # explicit parent: relayed output is published from tasks outside the handler context
-        self.session.send(self.iopub_socket, msg_type, content, parent=parent, ident=self._topic(msg_type))
+    def _publish(self, parent: dict, msg_type: str, content: dict, metadata: dict | None = None,
+                 buffers: list | None = None) -> None:
+        # explicit parent: relayed output is published from tasks outside the handler context;
+        # re-signed with the parent's session (frontends ignore a foreign header.session)
+        self.session.send(self.iopub_socket, msg_type, content, parent=parent, ident=self._topic(msg_type),
+                          metadata=metadata, buffers=buffers)
 
     def _fail(self, parent: dict, err: dict, silent: bool) -> dict:
         if not silent:
@@ -272,7 +275,8 @@ class DistributedKernel(Kernel):
                 self._comm_owner.pop(comm_id, None)
             # comms bypass merging: the frontend needs comm_open before the widget's display
             parent = entry[0].parent if entry else self._forwarded.get(parent_id, {})
-            self._publish(parent, msg_type, msg["content"])
+            # message metadata carries the widget protocol version; buffers carry binary state
+            self._publish(parent, msg_type, msg["content"], msg.get("metadata"), msg.get("buffers"))
             return
         if entry is not None:
             entry[0].on_iopub(rank, msg)
@@ -329,7 +333,7 @@ class DistributedKernel(Kernel):
             self._comm_owner.pop(comm_id, None)
         try:
             msg_id, _ = self.supervisor.send(rank, msg_type, content, metadata=parent.get("metadata"),
-                                             expect_reply=False)
+                                             expect_reply=False, buffers=parent.get("buffers"))
         except RankDiedError:
             return
         self._forwarded[msg_id] = parent

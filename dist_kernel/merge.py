@@ -500,8 +500,8 @@ def merge_errors(errors: dict[int, dict], ranks: Iterable[int]) -> dict | None:
         failing = next(iter(groups.values()))
         where = f"all {len(ranks)} ranks" if len(failing) == len(ranks) and len(ranks) > 1 else (
             f"rank {format_ranks(failing)}")
-        note = (f"\x1b[1;31m[{where}]\x1b[0m the same error was raised on each of these ranks"
-                if len(ranks) > 1 else None)
+        said = "raised this error" if len(failing) == 1 else "raised the same error"
+        note = f"\x1b[1;31m[{where}]\x1b[0m {said}" if len(ranks) > 1 else None
         tb = list(first.get("traceback", []))
         return {"ename": first.get("ename", "Error"), "evalue": first.get("evalue", ""),
                 "traceback": ([note] if note else []) + tb}

@@ -318,12 +318,14 @@ class RankSupervisor:
             r.kc.input(value)
 
     def send(self, rank: int, msg_type: str, content: dict, metadata: dict | None = None,
-             expect_reply: bool = True) -> tuple[str, asyncio.Future | None]:
+             expect_reply: bool = True, buffers: list | None = None) -> tuple[str, asyncio.Future | None]:
         """Send a shell message to one rank; returns its msg_id and a future for the reply."""
         r = self.ranks[rank]
         if not r.alive:
             raise RankDiedError(f"rank {rank} {r.exit_reason}")
         msg = r.kc.session.msg(msg_type, content, metadata=metadata or {})
+        if buffers:
+            msg["buffers"] = list(buffers)
         fut = None
         if expect_reply:
             fut = asyncio.get_running_loop().create_future()

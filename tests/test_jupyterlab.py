@@ -286,9 +286,6 @@ def _drive_browser(server: Lab, url: str, artifacts: Path, sync_playwright) -> N
             assert "[rank 1] hello from 1" in lines, text
             page.keyboard.press("Escape")  # command mode: no caret in the picture
             page.screenshot(path=str(shots / "merged-output.png"))
-            if os.environ.get("DIST_KERNEL_UPDATE_DOCS"):  # refresh the README's picture on request
-                (REPO / "docs").mkdir(exist_ok=True)
-                shutil.copyfile(shots / "merged-output.png", REPO / "docs" / "jupyterlab.png")
 
             # 2. the stop button ends a long cell on every rank, and the kernel stays usable
             _run_cell(page, 1, "import time\nprint('sleeping', rank, flush=True)\ntime.sleep(60)")
@@ -314,6 +311,18 @@ def _drive_browser(server: Lab, url: str, artifacts: Path, sync_playwright) -> N
             assert _output(page, 2).strip() == "still here 2", _output(page, 2)
             _wait_kernel_idle(page, timeout=10)
             page.screenshot(path=str(shots / "after-interrupt.png"))
+
+            # 3. widgets made on the ranks render: one slider per rank
+            _run_cell(page, 3, "import ipywidgets as w\nw.IntSlider(value=rank, description=f'rank {rank}')")
+            _wait_prompt_done(page, 3, timeout=30)
+            page.wait_for_function(
+                "() => document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-Cell')[3]"
+                ".querySelectorAll('.widget-slider').length === 2", timeout=20_000)
+            page.keyboard.press("Escape")  # command mode: no caret in the picture
+            page.screenshot(path=str(shots / "widgets.png"))
+            if os.environ.get("DIST_KERNEL_UPDATE_DOCS"):  # refresh the README's picture on request
+                (REPO / "docs").mkdir(exist_ok=True)
+                shutil.copyfile(shots / "widgets.png", REPO / "docs" / "jupyterlab.png")
         except BaseException:
             try:
                 page.screenshot(path=str(shots / "failure.png"))
