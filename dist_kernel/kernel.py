@@ -168,7 +168,6 @@ class DistributedKernel(Kernel):
         ident = self._get_shell_context_var(self._shell_parent_ident)
         self._stdin = InputBroker(lambda prompt, pw: self._ask_frontend(prompt, pw, ident, parent),
                                   self.supervisor.reply_input) if allow_stdin else None
-        futures = {}
         for rank in plan.ranks:
             try:
                 msg_id, fut = self.supervisor.send(rank, "execute_request", content,
@@ -177,7 +176,6 @@ class DistributedKernel(Kernel):
                 run.on_rank_lost(rank, "RankDiedError", str(e))
                 continue
             self._runs[msg_id] = (run, rank)
-            futures[rank] = fut
             fut.add_done_callback(lambda f, rank=rank: self._on_reply(run, rank, f))
         self._current = run
         try:
@@ -467,7 +465,12 @@ class DistributedKernel(Kernel):
         content = {"hist_access_type": hist_access_type, "output": output, "raw": raw,
                    "session": session, "start": start, "stop": stop, "n": n, "pattern": pattern,
                    "unique": unique}
-        return await self._ask_rank("history_request", content, {"status": "ok", "history": []})
+        reply = await self._ask_rank("history_request", content, {"status": "ok", "history": []})
+        if hist_access_type == "range" and session:
+            # IPython answers a range of the current session with session 0 ("this session");
+            # echo the session the frontend asked for, as the protocol expects
+            reply["history"] = [(session if row[0] == 0 else row[0], *row[1:]) for row in reply.get("history", [])]
+        return reply
 
 
 class DistributedKernelApp(IPKernelApp):

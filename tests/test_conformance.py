@@ -118,9 +118,9 @@ class DistributedPythonKernelTests(_InstalledSpec, jkt.KernelTests):
     ]
 
     code_history_pattern = "1?2*"
-    # as for ipykernel: not "range", which plain ipykernel 7 fails too (IPython reports the
-    # current session as session 0 in a range reply, the suite wants its absolute number)
-    supported_history_operations = ("tail", "search")
+    # "range" too: plain ipykernel 7 fails it (IPython answers with session 0 for the current
+    # session); the parent echoes the session asked for (DistributedKernel.do_history)
+    supported_history_operations = ("tail", "range", "search")
 
     code_inspect_sample = "zip"
 
