@@ -12,7 +12,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from dist_kernel.merge import CellMerger, merge_errors
+from dist_kernel.merge import CellMerger, error_content, label_lines, merge_errors
 from dist_kernel.throttle import StreamThrottle
 
 #: IOPub message types that are cell outputs and go through the merger
@@ -40,11 +40,10 @@ class CellRun:
                  rich_from: int | None = None) -> None:
         self.ranks = tuple(ranks)
         self.throttle = StreamThrottle(publish)
+        self.publish = self.throttle.publish
         self._direct = publish  # for the odd line printed after the cell ended
-        publish = self.throttle.publish
         self.world = tuple(world) if world is not None else self.ranks
         self.started = clock()
-        self.publish = publish
         self.execution_count = execution_count
         self.clock = clock
         self.merger = CellMerger(self.ranks, window=window, rich_from=rich_from)
@@ -59,7 +58,6 @@ class CellRun:
         self.replies: dict[int, dict] = {}
         self.idle: set[int] = set()
         self.finished: set[int] = set()
-        self.msg_ids: dict[str, int] = {}  # child msg_id -> rank
         self.closed = False
         self._last_flush = 0.0
         self._done = asyncio.Event()
@@ -78,8 +76,7 @@ class CellRun:
             if self.closed:
                 # printed after the cell ended (a background thread): publish it as it comes
                 if msg_type == "stream" and len(self.world) > 1:
-                    text = "".join(f"[rank {rank}] {x}" for x in content.get("text", "").splitlines(keepends=True))
-                    content = dict(content, text=text)
+                    content = dict(content, text=label_lines(content.get("text", ""), [rank]))
                 self._direct(msg_type, content)
                 return
             self.merger.add(rank, msg_type, content, self.clock())
@@ -96,9 +93,9 @@ class CellRun:
         """A rank will never answer (it died): end its part of the cell with an error."""
         if rank in self.finished or rank not in self.ranks:
             return
-        tb = [f"\x1b[1;31m{ename}\x1b[0m: {evalue}"] + ([hint] if hint else [])
-        self.merger.errors[rank] = {"ename": ename, "evalue": evalue, "traceback": tb}
-        self.replies.setdefault(rank, {"status": "error", "ename": ename, "evalue": evalue, "traceback": tb})
+        err = error_content(ename, evalue, [hint] if hint else [])
+        self.merger.errors[rank] = err
+        self.replies.setdefault(rank, {"status": "error", **err})
         self.idle.add(rank)
         self._check(rank)
 
@@ -114,6 +111,9 @@ class CellRun:
     def flush(self) -> None:
         self._last_flush = self.clock()
         self.merger.poll(self._last_flush)
+        self._publish_merged()
+
+    def _publish_merged(self) -> None:
         for msg_type, content in self.merger.take():
             self.publish(msg_type, content)
 
@@ -132,16 +132,14 @@ class CellRun:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._looking
         self.merger.finish(self.clock())
-        for msg_type, content in self.merger.take():
-            self.publish(msg_type, content)
+        self._publish_merged()
         self.throttle.close()
         self.closed = True
         return merge_errors(self.merger.errors, self.ranks)
 
     def mark_stuck(self, rank: int, ename: str, evalue: str, lines: list[str]) -> None:
         """Record why a rank is being unblocked; this becomes its error for the cell."""
-        tb = [f"\x1b[1;31m{ename}\x1b[0m: {evalue}", *lines]
-        self.merger.errors[rank] = {"ename": ename, "evalue": evalue, "traceback": tb}
+        self.merger.errors[rank] = error_content(ename, evalue, lines)
 
     def _maybe_look(self) -> None:
         """Some ranks idle (finished, or outside a %%rank cell), others busy past the grace

@@ -24,6 +24,7 @@ from dist_kernel.config import KernelConfig
 from dist_kernel.exceptions import ConfigError, RankDiedError, RankSpecError
 from dist_kernel.execution import OUTPUT_TYPES, CellRun
 from dist_kernel.magics import format_ranks, plan_cell
+from dist_kernel.merge import error_content, label_lines
 from dist_kernel.status import status_bundle
 from dist_kernel.stdin import InputBroker
 from dist_kernel.supervisor import RankSupervisor
@@ -39,11 +40,6 @@ def _group_failure(error: dict | None) -> bool:
     text = f"{error.get('ename')} {error.get('evalue')} " + " ".join(error.get("traceback", [])[-3:])
     return any(m in text for m in ("DistBackendError", "DistNetworkError", "Connection closed by peer",
                                    "CollectiveHangError", "Connection reset by peer"))
-
-
-def _error_content(ename: str, evalue: str, hint: str = "") -> dict:
-    tb = [f"\x1b[1;31m{ename}\x1b[0m: {evalue}"] + ([hint] if hint else [])
-    return {"ename": ename, "evalue": evalue, "traceback": tb}
 
 
 class DistributedKernel(Kernel):
@@ -108,19 +104,19 @@ class DistributedKernel(Kernel):
         """Wait for the ranks; the error to show if the kernel cannot run cells."""
         cfg = self.dist_config
         if isinstance(cfg, ConfigError):
-            return _error_content("ConfigError", str(cfg))
+            return error_content("ConfigError", str(cfg))
         if self.supervisor is None:
-            return _error_content("ConfigError", "the kernel has no configuration")
+            return error_content("ConfigError", "the kernel has no configuration")
         await self.supervisor.ready.wait()
         if self.supervisor.start_error:
-            return _error_content("RankStartError", self.supervisor.start_error)
+            return error_content("RankStartError", self.supervisor.start_error)
         dead = [r for r in self.supervisor.ranks.values() if not r.alive]
         if dead:
             what = "; ".join(f"rank {r.rank} {r.exit_reason}" for r in dead)
-            return _error_content(
+            return error_content(
                 "RankDiedError", what,
-                "The process group cannot continue without it. Restart the kernel "
-                "(Kernel > Restart) to start fresh ranks; variables are lost.")
+                ["The process group cannot continue without it. Restart the kernel "
+                 "(Kernel > Restart) to start fresh ranks; variables are lost."])
         return None
 
     # ------------------------------------------------------------- execute
@@ -147,7 +143,7 @@ class DistributedKernel(Kernel):
         try:
             plan = plan_cell(code, self.supervisor.config.world_size)
         except RankSpecError as e:
-            return self._fail(parent, _error_content("RankSpecError", str(e)), silent)
+            return self._fail(parent, error_content("RankSpecError", str(e)), silent)
         if plan.magics:
             err = await self._run_parent_magics(parent, plan.magics)
             if err:
@@ -266,11 +262,7 @@ class DistributedKernel(Kernel):
         msg_type = msg["header"]["msg_type"]
         entry = self._runs.get(parent_id)
         if msg_type in ("comm_open", "comm_msg", "comm_close"):
-            comm_id = msg["content"].get("comm_id")
-            if msg_type == "comm_open":
-                self._comm_owner[comm_id] = rank
-            elif msg_type == "comm_close":
-                self._comm_owner.pop(comm_id, None)
+            self._track_comm(msg_type, msg["content"].get("comm_id"), rank)
             # comms bypass merging: the frontend needs comm_open before the widget's display
             parent = entry[0].parent if entry else self._forwarded.get(parent_id, {})
             # message metadata carries the widget protocol version; buffers carry binary state
@@ -284,8 +276,7 @@ class DistributedKernel(Kernel):
 
     def _publish_labelled(self, parent: dict, rank: int, msg_type: str, content: dict) -> None:
         if msg_type == "stream" and self.supervisor and self.supervisor.config.world_size > 1:
-            text = "".join(f"[rank {rank}] {line}" for line in content.get("text", "").splitlines(keepends=True))
-            content = dict(content, text=text)
+            content = dict(content, text=label_lines(content.get("text", ""), [rank]))
         self._publish(parent, msg_type, content)
 
     def _on_rank_stdin(self, rank: int, msg: dict) -> None:
@@ -311,6 +302,13 @@ class DistributedKernel(Kernel):
     async def comm_close(self, stream: Any, ident: Any, parent: dict) -> None:
         self._route_comm(parent)
 
+    def _track_comm(self, msg_type: str, comm_id: str, rank: int) -> None:
+        """Which rank owns a comm: set by comm_open (from either side), dropped by comm_close."""
+        if msg_type == "comm_open":
+            self._comm_owner[comm_id] = rank
+        elif msg_type == "comm_close":
+            self._comm_owner.pop(comm_id, None)
+
     def _route_comm(self, parent: dict) -> None:
         """A frontend comm message goes to the rank that owns the comm (rank 0 for new ones)."""
         asyncio.ensure_future(self._forward_comm(parent))
@@ -325,10 +323,7 @@ class DistributedKernel(Kernel):
         content = parent["content"]
         comm_id = content.get("comm_id")
         rank = self._comm_owner.get(comm_id, 0)
-        if msg_type == "comm_open":
-            self._comm_owner[comm_id] = rank
-        elif msg_type == "comm_close":
-            self._comm_owner.pop(comm_id, None)
+        self._track_comm(msg_type, comm_id, rank)
         try:
             msg_id, _ = self.supervisor.send(rank, msg_type, content, metadata=parent.get("metadata"),
                                              expect_reply=False, buffers=parent.get("buffers"))
@@ -363,13 +358,13 @@ class DistributedKernel(Kernel):
                 self._publish(parent, "display_data", status_bundle(table, sup.config))
             elif name == "dist_output":
                 if arg not in ("all", "rank0"):
-                    return _error_content("UsageError", f"%dist_output {arg!r}: use `%dist_output all` "
+                    return error_content("UsageError", f"%dist_output {arg!r}: use `%dist_output all` "
                                           "(rich output from every rank, merged) or `%dist_output rank0`.")
                 self.output_policy = arg
                 self._publish(parent, "stream", {"name": "stdout", "text": f"rich output from: {arg}\n"})
             elif name == "dist_empty_cache":
                 if arg not in ("on", "off"):
-                    return _error_content("UsageError", f"%dist_empty_cache {arg!r}: use on or off.")
+                    return error_content("UsageError", f"%dist_empty_cache {arg!r}: use on or off.")
                 await asyncio.gather(*(sup.run_silent(r, f"_dk_agent.set_empty_cache({arg == 'on'})")
                                        for r in sup.ranks))
                 self._publish(parent, "stream", {"name": "stdout", "text": f"empty_cache after each cell: {arg}\n"})

@@ -50,6 +50,17 @@ def label(ranks: Sequence[int]) -> str:
     return _label(tuple(ranks))
 
 
+def label_lines(text: str, ranks: Sequence[int]) -> str:
+    """Every line of ``text`` marked as coming from these ranks."""
+    prefix = label(ranks)
+    return "".join(prefix + line for line in text.splitlines(keepends=True))
+
+
+def error_content(ename: str, evalue: str, lines: Sequence[str] = ()) -> dict:
+    """The content of an ``error`` output the kernel makes itself (no Python traceback)."""
+    return {"ename": ename, "evalue": evalue, "traceback": [f"\x1b[1;31m{ename}\x1b[0m: {evalue}", *lines]}
+
+
 def namespaced_display_id(display_id: str, rank: int) -> str:
     """Display ids are per rank, so two ranks showing id X never overwrite each other."""
     return f"{display_id}@rank{rank}"
