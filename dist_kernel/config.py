@@ -1,22 +1,9 @@
 """Kernel configuration: one source of truth.
 
 Options come from the kernel's argv (written into kernel.json by ``python -m dist_kernel
-install``). Each option may be overridden by one environment variable; this table is the
-only place those overrides are defined, and the README's table is generated from it.
-
-| flag                | environment override          | meaning                                        |
-|---------------------|-------------------------------|------------------------------------------------|
-| --ranks N           | DIST_KERNEL_RANKS             | number of ranks (default: one per GPU, else 2) |
-| --gpus LIST         | DIST_KERNEL_GPUS              | physical GPUs, rank i on the i-th (e.g. 0,1)   |
-| --backend NAME      | DIST_KERNEL_BACKEND           | gloo or nccl (default: nccl with GPUs)         |
-| --timeout S         | DIST_KERNEL_TIMEOUT           | collective timeout in seconds (default 1800)   |
-| --startup-timeout S | DIST_KERNEL_STARTUP_TIMEOUT   | seconds for ranks to start and join (120)      |
-| --merge-window MS   | DIST_KERNEL_MERGE_WINDOW_MS   | ms to wait for other ranks' identical line (100)|
-| --fastai on|off     | DIST_KERNEL_FASTAI            | make fastai train data-parallel unchanged (on) |
-| --seed N            | DIST_KERNEL_SEED              | seed shared by all ranks (default: random)     |
-| --hang-grace S      | DIST_KERNEL_HANG_GRACE        | s a rank may wait in a collective after others finished (10) |
-| --empty-cache on|off| DIST_KERNEL_EMPTY_CACHE       | free the CUDA cache after each cell (on)       |
-| --rich-output all|rank0 | DIST_KERNEL_RICH_OUTPUT   | rich output from all ranks, merged, or rank 0's only (all) |
+install``). Each option may be overridden by one environment variable, ``DIST_KERNEL_`` + its
+name in capitals. :data:`OPTIONS` is the only place options are defined; the README's
+Configuration table documents it.
 """
 
 from __future__ import annotations
@@ -31,20 +18,23 @@ from dist_kernel.exceptions import ConfigError
 
 BACKENDS = ("gloo", "nccl")
 
-#: flag name -> environment variable that overrides it
-ENV_OVERRIDES: dict[str, str] = {
-    "ranks": "DIST_KERNEL_RANKS",
-    "gpus": "DIST_KERNEL_GPUS",
-    "backend": "DIST_KERNEL_BACKEND",
-    "timeout": "DIST_KERNEL_TIMEOUT",
-    "startup_timeout": "DIST_KERNEL_STARTUP_TIMEOUT",
-    "merge_window_ms": "DIST_KERNEL_MERGE_WINDOW_MS",
-    "fastai": "DIST_KERNEL_FASTAI",
-    "seed": "DIST_KERNEL_SEED",
-    "hang_grace": "DIST_KERNEL_HANG_GRACE",
-    "empty_cache": "DIST_KERNEL_EMPTY_CACHE",
-    "rich_output": "DIST_KERNEL_RICH_OUTPUT",
+#: option name (``--name-with-dashes``) -> help text
+OPTIONS: dict[str, str] = {
+    "ranks": "number of ranks (default: one per GPU, else 2)",
+    "gpus": "comma list of physical GPU ids, rank i on the i-th",
+    "backend": "gloo or nccl (default: nccl when GPUs are used)",
+    "timeout": "collective timeout in seconds (default 1800)",
+    "startup_timeout": "seconds for ranks to start and form the group (default 120)",
+    "merge_window_ms": "ms to wait for identical output from other ranks (default 100)",
+    "fastai": "on|off: fastai integration inside the ranks (default on)",
+    "seed": "random seed shared by every rank (default: random)",
+    "hang_grace": "seconds a rank may wait in a collective after the others finished (default 10)",
+    "empty_cache": "on|off: gc + torch.cuda.empty_cache() after each cell (default on)",
+    "rich_output": "all|rank0: rich output from every rank (merged) or from rank 0 only",
 }
+
+#: option name -> environment variable that overrides it
+ENV_OVERRIDES: dict[str, str] = {name: "DIST_KERNEL_" + name.upper() for name in OPTIONS}
 
 OUTPUT_POLICIES = ("all", "rank0")
 
@@ -88,28 +78,14 @@ class KernelConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the kernel options to a parser (shared by `kernel`, `install` and `run`)."""
-    parser.add_argument("--ranks", default=None, help="number of ranks (default: one per GPU, else 2)")
-    parser.add_argument("--gpus", default=None, help="comma list of physical GPU ids, rank i on the i-th")
-    parser.add_argument("--backend", default=None, help="gloo or nccl (default: nccl when GPUs are used)")
-    parser.add_argument("--timeout", default=None, help="collective timeout in seconds (default 1800)")
-    parser.add_argument("--startup-timeout", dest="startup_timeout", default=None,
-                        help="seconds for ranks to start and form the group (default 120)")
-    parser.add_argument("--merge-window-ms", dest="merge_window_ms", default=None,
-                        help="ms to wait for identical output from other ranks (default 100)")
-    parser.add_argument("--fastai", default=None, help="on|off: fastai integration inside the ranks (default on)")
-    parser.add_argument("--seed", default=None, help="random seed shared by every rank (default: random)")
-    parser.add_argument("--hang-grace", dest="hang_grace", default=None,
-                        help="seconds a rank may wait in a collective after the others finished (default 10)")
-    parser.add_argument("--empty-cache", dest="empty_cache", default=None,
-                        help="on|off: gc + torch.cuda.empty_cache() after each cell (default on)")
-    parser.add_argument("--rich-output", dest="rich_output", default=None,
-                        help="all|rank0: rich output from every rank (merged) or from rank 0 only")
+    for name, text in OPTIONS.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=text)
 
 
 def option_argv(ns: argparse.Namespace) -> list[str]:
     """The flags of `ns` that were given, as argv (to write them into kernel.json)."""
     argv: list[str] = []
-    for name in ENV_OVERRIDES:
+    for name in OPTIONS:
         value = getattr(ns, name, None)
         if value is not None:
             argv += ["--" + name.replace("_", "-"), str(value)]
