@@ -1,9 +1,9 @@
 """Runs inside each rank: what the parent needs from a rank besides running cells.
 
-- a watchdog thread that (a) ends the rank, and removes the kernel's runtime files, within a
-  fraction of a second of the parent's death (a SIGKILLed parent cannot clean up after
-  itself), and (b) answers "where is the cell?" requests: the main thread may be blocked in a
-  C++ collective, but its Python frames can still be read from another thread;
+- a watchdog thread that answers "where is the cell?" requests: the main thread may be
+  blocked in a C++ collective, but its Python frames can still be read from another thread;
+- PR_SET_PDEATHSIG, so the OS ends the rank with the parent even when the rank is stuck
+  holding the GIL (the parent's reaper process also kills it and removes the runtime dir);
 - the after-cell hook that frees the CUDA cache;
 - small queries and actions the parent runs silently (status, group teardown).
 """
@@ -14,7 +14,7 @@ import contextlib
 import gc
 import json
 import os
-import shutil
+import signal
 import socket
 import sys
 import threading
@@ -35,7 +35,8 @@ def setup(rank: int, parent_pid: int, runtime_dir: str, empty_cache: bool = True
     if _state.get("rank") is not None:
         return
     _state.update(rank=rank, empty_cache=empty_cache)
-    threading.Thread(target=_watch, args=(parent_pid, runtime_dir, *probe_paths(runtime_dir, rank)),
+    _die_with_parent(parent_pid)
+    threading.Thread(target=_watch, args=probe_paths(runtime_dir, rank),
                      daemon=True, name="dist_kernel-watchdog").start()
     from IPython import get_ipython
 
@@ -44,11 +45,27 @@ def setup(rank: int, parent_pid: int, runtime_dir: str, empty_cache: bool = True
         shell.events.register("post_run_cell", after_cell)
 
 
-def _watch(parent_pid: int, runtime_dir: str, request: str, answer: str, interval: float = 0.1) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Have Linux SIGKILL this rank when the parent dies (PR_SET_PDEATHSIG).
+
+    Needs no GIL, so it also ends a rank stuck in C code that holds it (a CUDA sync inside
+    ``.item()``, a C extension). The reaper process does the same on every system, and
+    removes the runtime dir; this is the OS-level guard should the reaper itself be killed.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before the request took hold
+        os._exit(1)
+
+
+def _watch(request: str, answer: str, interval: float = 0.1) -> None:
     while True:
-        if os.getppid() != parent_pid:
-            shutil.rmtree(runtime_dir, ignore_errors=True)
-            os._exit(1)
         if os.path.exists(request):
             try:
                 os.unlink(request)

@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +31,7 @@ from dist_kernel.config import KernelConfig
 from dist_kernel.exceptions import RankDiedError, RankStartError
 from dist_kernel.merge import strip_ansi
 from dist_kernel.rank_agent import probe_paths
+from dist_kernel.reaper import write_pids
 from dist_kernel.rendezvous import LOOPBACK_ENV, store_path
 
 LOG_TAIL_LINES = 30
@@ -98,6 +100,35 @@ class Rank:
             return ""
 
 
+RUNTIME_PREFIX = "dist_kernel-"
+
+
+def sweep_stale_runtime_dirs(base: str | None = None) -> list[str]:
+    """Remove runtime dirs left by kernels that died with every rank stuck (nobody cleaned up).
+
+    The ranks normally remove their kernel's dir when the parent dies; a rank stuck in C code
+    is killed by the OS instead and cannot. A dir is stale when the pid in its name is gone.
+    """
+    removed = []
+    base = base or tempfile.gettempdir()
+    for name in os.listdir(base):
+        head, _, rest = name.partition("-")
+        pid = rest.split("-", 1)[0]
+        path = os.path.join(base, name)
+        if f"{head}-" != RUNTIME_PREFIX or not pid.isdigit() or not os.path.isdir(path):
+            continue
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)  # still alive (or someone else's): keep
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
 class RankSupervisor:
     """Owns the rank processes of one kernel."""
 
@@ -109,7 +140,9 @@ class RankSupervisor:
         self.on_stdin = on_stdin
         self.on_death = on_death
         self.log = log or logging.getLogger("dist_kernel")
-        self.runtime_dir = tempfile.mkdtemp(prefix="dist_kernel-")  # 0700 by mkdtemp
+        sweep_stale_runtime_dirs()
+        # 0700 by mkdtemp; the owner's pid in the name lets a later kernel sweep it up
+        self.runtime_dir = tempfile.mkdtemp(prefix=f"{RUNTIME_PREFIX}{os.getpid()}-")
         self.ranks: dict[int, Rank] = {}
         self.generation = 0
         # one seed for all ranks of this start (a fresh one per restart, unless --seed)
@@ -118,6 +151,11 @@ class RankSupervisor:
         self.start_error: str | None = None
         self._closing = False
         self._watch_task: asyncio.Task | None = None
+        # cleans up if this process is SIGKILLed (see reaper.py); exits when the dir is gone
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-m", "dist_kernel.reaper", str(os.getpid()), self.runtime_dir],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
 
     # ------------------------------------------------------------- startup
     async def start(self) -> None:
@@ -183,6 +221,7 @@ class RankSupervisor:
         with open(log_path, "wb") as log_file:  # noqa: ASYNC230 - tiny local file
             await km.start_kernel(env=self._env(rank), cwd=os.getcwd(), stdout=log_file,
                                   stderr=log_file, stdin=asyncio.subprocess.DEVNULL)
+        write_pids(self.runtime_dir, [p for p in (x.pid for x in self.ranks.values()) if p])
         kc = km.client()
         kc.start_channels()
         r.kc = kc
@@ -395,7 +434,7 @@ class RankSupervisor:
             self.kill_now(r)
 
         await asyncio.gather(*(stop(r) for r in self.ranks.values()), return_exceptions=True)
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        self._remove_runtime_dir()
 
     def kill_now(self, r: Rank | None = None) -> None:
         """SIGKILL rank process groups synchronously (used at exit, from any thread)."""
@@ -412,4 +451,12 @@ class RankSupervisor:
         """Last-resort cleanup when the parent exits without a shutdown request."""
         self._closing = True
         self.kill_now()
+        self._remove_runtime_dir()
+
+    def _remove_runtime_dir(self) -> None:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        try:  # the reaper sees the dir gone within 0.1 s and exits; collect it (no zombie)
+            self._reaper.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self._reaper.kill()
+            self._reaper.wait()

@@ -10,12 +10,15 @@ import glob
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 
 import psutil
 import pytest
 from harness import DistKernel
+
+from dist_kernel.supervisor import sweep_stale_runtime_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -115,18 +118,50 @@ def test_killing_the_parent_ends_every_rank_and_leaves_no_files_or_ports():
     k = DistKernel("--ranks", "2")
     k.execute("import torch.distributed as dist")
     ranks = [psutil.Process(p) for p in k.rank_pids()]
+    family = psutil.Process(k.pid).children(recursive=True)  # ranks and the reaper
     ports = {c.laddr.port for r in ranks for c in r.net_connections("inet") if c.status == psutil.CONN_LISTEN}
     mine = runtime_dirs() - before
     assert len(ranks) == 2 and len(mine) == 1
     os.kill(k.pid, signal.SIGKILL)
-    _, alive = psutil.wait_procs(ranks, timeout=5)
-    assert alive == []
-    assert not any(os.path.exists(d) for d in mine)  # the ranks removed the runtime directory
+    _, alive = psutil.wait_procs(family, timeout=5)
+    assert len(ranks) == 2 and len(family) == 3 and alive == []
+    assert not any(os.path.exists(d) for d in mine)  # the reaper removed the runtime directory
     for port in ports:  # nothing listens on the ranks' ports any more
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0
     k.kc.stop_channels()
     k.km.cleanup_resources()
+
+
+def test_killing_the_parent_ends_ranks_stuck_in_c_code_holding_the_gil():
+    # A rank blocked in C code that holds the GIL (a CUDA sync in .item(), a C extension)
+    # cannot run any thread of its own: the OS and the parent's reaper must end it.
+    before = runtime_dirs()
+    k = DistKernel("--ranks", "2")
+    k.execute("import ctypes")
+    family = psutil.Process(k.pid).children(recursive=True)  # ranks and the reaper
+    mine = runtime_dirs() - before
+    k.kc.execute("ctypes.PyDLL(None).sleep(120)")  # PyDLL keeps the GIL for the whole call
+    time.sleep(1.5)
+    os.kill(k.pid, signal.SIGKILL)
+    _, alive = psutil.wait_procs(family, timeout=5)
+    assert alive == []
+    assert len(mine) == 1 and not any(os.path.exists(d) for d in mine)
+    k.kc.stop_channels()
+    k.km.cleanup_resources()
+
+
+def test_a_runtime_dir_whose_kernel_is_gone_is_swept_at_the_next_start(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f"dist_kernel-{gone.pid}-abc"
+    live = tmp_path / f"dist_kernel-{os.getpid()}-def"
+    other = tmp_path / f"dist_kernel-notapid-{gone.pid}"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "rank0.json").write_text("{}")
+    assert sweep_stale_runtime_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()
 
 
 def test_ten_restarts_leave_nothing_behind():
