@@ -207,6 +207,9 @@ class RankSupervisor:
                 parent_mask[g] if parent_mask else str(g) for g in cfg.gpus)
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""
+            # accelerate (and fastai's distrib_ctx, built on it) only trains data-parallel on CPU
+            # when told to; otherwise it would see "no GPU" and train each rank alone
+            env.setdefault("ACCELERATE_USE_CPU", "true")
         return env
 
     async def _launch(self, rank: int) -> None:

@@ -169,3 +169,52 @@ def test_fastai_off_in_the_kernelspec_leaves_fastai_untouched():
         assert k.execute("%dist_fastai on").status == "error"  # no magic either
     finally:
         k.shutdown()
+
+
+OWN_CTX = """\
+from fastai.tabular.all import *
+from fastai.distributed import *
+from accelerate import Accelerator
+import hashlib, json
+from torch.nn.parallel import DistributedDataParallel as _DDP
+rng = np.random.default_rng(0); n = 800
+df = pd.DataFrame({'a': rng.normal(size=n), 'b': rng.normal(size=n), 'k': rng.choice(list('xyz'), n)})
+df['y'] = np.where(df.a + df.b > 0, 'hi', 'lo')
+dls = TabularDataLoaders.from_df(df, y_names='y', cat_names=['k'], cont_names=['a', 'b'],
+                                 procs=[Categorify, Normalize], bs=64, num_workers=0)
+learn = tabular_learner(dls, layers=[32], metrics=accuracy)
+class _Probe(Callback):
+    order = 100
+    def before_fit(self): self.ddp, self.batches = True, 0
+    def after_batch(self):  # wrapped once, by fastai's own DistributedTrainer
+        if self.training:
+            self.ddp &= isinstance(self.learn.model, _DDP) and not isinstance(self.learn.model.module, _DDP)
+            self.batches += 1
+_p = _Probe()
+with learn.distrib_ctx(in_notebook=True):
+    learn.fit(1, 1e-3, cbs=_p)
+_h = hashlib.sha256()
+for _v in learn.model.state_dict().values(): _h.update(_v.detach().cpu().numpy().tobytes())
+_acc = Accelerator()
+print('DKTEST', json.dumps(dict(rank=rank, ddp=_p.ddp, batches=_p.batches, total=len(learn.dls.train),
+      unwrapped=not isinstance(learn.model, _DDP), state=_h.hexdigest(),
+      accelerate_wraps=isinstance(_acc.prepare(torch.nn.Linear(2, 2)), _DDP), accelerate_world=_acc.num_processes)))
+"""
+
+
+def test_a_notebook_using_fastais_own_distrib_ctx_trains_data_parallel_on_cpu_ranks():
+    # written for `accelerate launch`/notebook_launcher: fastai's DistributedTrainer does the
+    # wrapping; the kernel's integration steps aside and accelerate uses the kernel's group
+    k = DistKernel("--ranks", "2")
+    try:
+        res = k.execute(OWN_CTX, timeout=240)
+        assert res.status == "ok", res.reply.get("evalue")
+        ev = {e["rank"]: e for e in (json.loads(m["json"]) for m in _LINE.finditer(res.stream()))}
+        assert set(ev) == {0, 1}
+        for e in ev.values():
+            assert e["ddp"] and e["unwrapped"] and e["accelerate_wraps"] and e["accelerate_world"] == 2
+            assert e["batches"] == e["total"] / 2  # 10 batches of 64, 5 per rank
+        assert ev[0]["state"] == ev[1]["state"]
+        assert "Training Learner..." in res.stream()  # fastai's own rank-0 message, shown once
+    finally:
+        k.shutdown()
