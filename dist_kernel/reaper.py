@@ -38,12 +38,28 @@ def reap(runtime_dir: str) -> None:
     except (OSError, ValueError):
         pids = []
     for pid in pids:
+        if not _still_ours(pid, runtime_dir):
+            continue
         for kill in (os.killpg, os.kill):  # each rank leads its own session
             try:
                 kill(pid, signal.SIGKILL)
             except OSError:
                 pass
     shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def _still_ours(pid: int, runtime_dir: str) -> bool:
+    """False when ``pid`` now belongs to an unrelated process (a rank died long ago and its
+    pid was reused). A rank's command line names its connection file in ``runtime_dir``. If
+    the rank is gone, its process group may still hold its children; Linux never reuses a pid
+    that is still a group id, so killing that group is safe."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return runtime_dir.encode() in f.read()
+    except FileNotFoundError:
+        return True  # process gone (its group, if any, is the rank's), or no /proc on this system
+    except OSError:
+        return False
 
 
 def main(parent_pid: int, runtime_dir: str, interval: float = 0.1) -> None:

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -18,6 +19,7 @@ import psutil
 import pytest
 from harness import DistKernel
 
+from dist_kernel.reaper import reap, write_pids
 from dist_kernel.supervisor import sweep_stale_runtime_dirs
 
 pytestmark = pytest.mark.slow
@@ -284,3 +286,23 @@ def test_nothing_is_ever_unpickled():
     for path in Path(dist_kernel.__file__).parent.glob("*.py"):
         text = path.read_text()
         assert "import pickle" not in text and "pickle.load" not in text and "cloudpickle" not in text, path
+
+
+def test_the_reaper_kills_its_ranks_groups_but_never_a_process_that_reused_a_rank_pid(tmp_path):
+    # a "rank" (its command line names its connection file in the runtime dir) with a child in
+    # its process group, as a DataLoader worker is; and a stranger holding a pid in the list
+    rank = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                             "print(subprocess.Popen(['sleep', '60']).pid, flush=True); time.sleep(60)",
+                             str(tmp_path / "rank0.json")], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = psutil.Process(int(rank.stdout.readline()))
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        write_pids(str(tmp_path), [rank.pid, stranger.pid])
+        reap(str(tmp_path))
+        assert rank.wait(timeout=5) == -signal.SIGKILL
+        _, alive = psutil.wait_procs([child], timeout=5)
+        assert alive == [] and stranger.poll() is None and not tmp_path.exists()
+    finally:
+        for p in (rank, stranger):
+            p.kill()
+            p.wait()
