@@ -280,42 +280,44 @@ class Proof:
                 "torch.cuda.synchronize()" if self.cuda else "_keep = bytearray(2**28)")
         used: dict[str, float | None] = {"before": gpu_used_mib()}
         problems = []
-        k = self.kernel(1)
-        k.check("import torch\n" + hold)
-        used["holding"] = gpu_used_mib()
-        old = psutil.Process(k.pid).children(recursive=True)
-        k.km.restart_kernel(now=False)
-        k.kc.wait_for_ready(timeout=180)
-        _, alive = psutil.wait_procs(old, timeout=10)
-        problems += [f"after restart, old process {p.pid} still runs" for p in alive]
-        used["after_restart"] = gpu_used_mib()
-        k.check("import torch\n" + hold)
-        family = psutil.Process(k.pid).children(recursive=True)
-        k.shutdown()
-        _, alive = psutil.wait_procs(family, timeout=10)
-        problems += [f"after shutdown, process {p.pid} still runs" for p in alive]
-        used["after_shutdown"] = gpu_used_mib()
-        k = self.kernel(1)
-        k.check("import torch\n" + hold)
-        family = psutil.Process(k.pid).children(recursive=True)
-        os.kill(k.pid, signal.SIGKILL)
-        _, alive = psutil.wait_procs(family, timeout=10)
-        problems += [f"after the parent's SIGKILL, process {p.pid} still runs" for p in alive]
-        k.kc.stop_channels()
-        k.km.cleanup_resources()
-        time.sleep(1)
-        used["after_parent_sigkill"] = gpu_used_mib()
+        ends: list[tuple[str, Callable[[Kernel], Kernel | None]]] = [
+            ("restart", _restart), ("shutdown", Kernel.shutdown), ("the parent's SIGKILL", _kill_parent)]
+        k: Kernel | None = None
+        for when, end in ends:  # each time a rank holds memory, then the kernel ends that rank
+            k = k or self.kernel(1)
+            k.check("import torch\n" + hold)
+            used.setdefault("holding", gpu_used_mib())
+            family = psutil.Process(k.pid).children(recursive=True)  # ranks and the reaper
+            k = end(k)  # the kernel, if it lives on
+            _, alive = psutil.wait_procs(family, timeout=10)
+            problems += [f"after {when}, process {p.pid} still runs" for p in alive]
+            time.sleep(1)
+            used[f"after {when}"] = gpu_used_mib()
+        if k is not None:
+            k.shutdown()
         if self.cuda:
             base, size = used["before"] or 0.0, self.args.alloc_gib * 1024
             if (used["holding"] or 0) - base < size:
                 problems.append(f"holding {self.args.alloc_gib} GiB did not show in nvidia-smi: {used}")
-            for when in ("after_restart", "after_shutdown", "after_parent_sigkill"):
-                limit = base + (2048 if when == "after_restart" else 256)  # a fresh rank's CUDA context
-                if (used[when] or 0) > limit:
-                    problems.append(f"{when}: {used[when]:.0f} MiB in use, {base:.0f} before")
+            for when, _ in ends:
+                limit = base + (2048 if when == "restart" else 256)  # a fresh rank's CUDA context
+                if (used[f"after {when}"] or 0) > limit:
+                    problems.append(f"after {when}: {used[f'after {when}']:.0f} MiB in use, {base:.0f} before")
         summary = ("nvidia-smi MiB used: " + ", ".join(f"{k_} {v:.0f}" for k_, v in used.items() if v is not None)
                    if self.cuda else "rank processes end on restart, shutdown and parent SIGKILL (no GPU memory to read)")
         return Check("lifecycle", not problems, "; ".join(problems) or summary, {"gpu_used_mib": used})
+
+
+def _restart(k: Kernel) -> Kernel:
+    k.km.restart_kernel(now=False)
+    k.kc.wait_for_ready(timeout=180)
+    return k
+
+
+def _kill_parent(k: Kernel) -> None:
+    os.kill(k.pid, signal.SIGKILL)
+    k.kc.stop_channels()
+    k.km.cleanup_resources()
 
 
 DRAW = """\

@@ -33,7 +33,8 @@ READY_TIMEOUT = 120  # the ranks import torch and form the group after the paren
 
 
 class _InstalledSpec:
-    """Install the kernelspec into a temporary prefix and expose it through JUPYTER_PATH."""
+    """Install the kernelspec into a temporary prefix and expose it through JUPYTER_PATH, for
+    the life of a suite class; at its end every rank process must be gone."""
 
     _prefix: ClassVar[str]
     _saved_jupyter_path: ClassVar[str | None]
@@ -63,6 +64,43 @@ class _InstalledSpec:
         else:
             os.environ["JUPYTER_PATH"] = cls._saved_jupyter_path
         shutil.rmtree(cls._prefix, ignore_errors=True)
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        """Install the spec, start the suite's kernel, then ``after_start``; undo all on failure."""
+        cls.install_spec()
+        try:
+            super().setUpClass()
+            try:
+                cls.after_start()
+            except BaseException:
+                # unittest skips tearDownClass when setUpClass fails: end the kernel here
+                cls.kc.stop_channels()
+                cls.km.shutdown_kernel(now=True)
+                raise
+        except BaseException:
+            cls.remove_spec()
+            raise
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        """``before_stop``, then the suite's shutdown: every rank process must be gone."""
+        try:
+            cls.before_stop()
+            ranks = _rank_processes(cls.km.provisioner.process.pid)
+            assert len(ranks) == RANKS, f"expected {RANKS} rank processes, found {len(ranks)}"
+            super().tearDownClass()
+            _assert_gone(ranks)
+        finally:
+            cls.remove_spec()
+
+    @classmethod
+    def after_start(cls) -> None:
+        pass
+
+    @classmethod
+    def before_stop(cls) -> None:
+        pass
 
 
 def _rank_processes(parent_pid: int) -> list[psutil.Process]:
@@ -127,33 +165,7 @@ class DistributedPythonKernelTests(_InstalledSpec, jkt.KernelTests):
     code_clear_output = "from IPython.display import clear_output; clear_output()"
 
     @classmethod
-    def setUpClass(cls) -> None:
-        cls.install_spec()
-        try:
-            super().setUpClass()
-            try:
-                cls._wait_for_ranks()
-            except BaseException:
-                # unittest skips tearDownClass when setUpClass fails: end the kernel here
-                cls.kc.stop_channels()
-                cls.km.shutdown_kernel(now=True)
-                raise
-        except BaseException:
-            cls.remove_spec()
-            raise
-
-    @classmethod
-    def tearDownClass(cls) -> None:
-        try:
-            ranks = _rank_processes(cls.km.provisioner.process.pid)
-            assert len(ranks) == RANKS, f"expected {RANKS} rank processes, found {len(ranks)}"
-            super().tearDownClass()
-            _assert_gone(ranks)
-        finally:
-            cls.remove_spec()
-
-    @classmethod
-    def _wait_for_ranks(cls) -> None:
+    def after_start(cls) -> None:
         """Run one cell that needs the whole group, with a start-up sized timeout.
 
         The parent answers kernel_info at once; its first cell waits for the ranks. The
@@ -194,27 +206,12 @@ class DistributedPythonIopubWelcomeTests(_InstalledSpec, jkt.IopubWelcomeTests):
     support_iopub_welcome = True
 
     @classmethod
-    def setUpClass(cls) -> None:
-        cls.install_spec()
-        try:
-            super().setUpClass()
-        except BaseException:
-            cls.remove_spec()
-            raise
-
-    @classmethod
-    def tearDownClass(cls) -> None:
-        try:
-            # let the ranks come up (one cell), so shutting down also covers running ranks
-            if not cls.kc.channels_running:
-                cls.kc.start_channels()
-            reply = cls.kc.execute_interactive("pass", timeout=READY_TIMEOUT, output_hook=lambda msg: None)
-            assert reply["content"]["status"] == "ok", reply["content"]
-            ranks = _rank_processes(cls.km.provisioner.process.pid)
-            super().tearDownClass()
-            _assert_gone(ranks)
-        finally:
-            cls.remove_spec()
+    def before_stop(cls) -> None:
+        # let the ranks come up (one cell), so shutting down also covers running ranks
+        if not cls.kc.channels_running:
+            cls.kc.start_channels()
+        reply = cls.kc.execute_interactive("pass", timeout=READY_TIMEOUT, output_hook=lambda msg: None)
+        assert reply["content"]["status"] == "ok", reply["content"]
 
 
 if __name__ == "__main__":
