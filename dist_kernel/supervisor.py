@@ -104,10 +104,11 @@ RUNTIME_PREFIX = "dist_kernel-"
 
 
 def sweep_stale_runtime_dirs(base: str | None = None) -> list[str]:
-    """Remove runtime dirs left by kernels that died with every rank stuck (nobody cleaned up).
+    """Remove runtime dirs left by kernels whose cleanup never ran.
 
-    The ranks normally remove their kernel's dir when the parent dies; a rank stuck in C code
-    is killed by the OS instead and cannot. A dir is stale when the pid in its name is gone.
+    When a parent dies, its reaper process removes the dir; only if the reaper was killed as
+    well (``kill -9`` of every process, the OOM killer) is one left. A dir is stale when the
+    pid in its name is gone.
     """
     removed = []
     base = base or tempfile.gettempdir()
