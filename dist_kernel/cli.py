@@ -16,28 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dist_kernel import config as cfgmod
+from dist_kernel import options as cfgmod
 from dist_kernel.exceptions import ConfigError
-
-DEFAULT_NAME = "distributed-python"
-DEFAULT_DISPLAY_NAME = "Distributed Python"
-
-
-def kernel_argv(options: list[str], executable: str | None = None) -> list[str]:
-    """The argv a kernelspec uses to start the parent kernel."""
-    return [executable or sys.executable, "-m", "dist_kernel", "kernel", "-f", "{connection_file}", *options]
-
-
-def kernel_json(options: list[str], display_name: str = DEFAULT_DISPLAY_NAME,
-                executable: str | None = None) -> dict:
-    return {
-        "argv": kernel_argv(options, executable),
-        "display_name": display_name,
-        "language": "python",
-        # the parent is never signalled: it receives interrupt_request and SIGINTs the busy ranks
-        "interrupt_mode": "message",
-        "metadata": {"debugger": False},
-    }
+from dist_kernel.kernelspec import DEFAULT_DISPLAY_NAME, DEFAULT_NAME, kernel_json
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,7 +54,7 @@ def cmd_kernel(ns: argparse.Namespace) -> int:
         # start anyway: the frontend gets a kernel that explains the problem in the first
         # cell, instead of one that dies and restarts forever
         config = e
-    from dist_kernel.kernel import launch
+    from dist_kernel.parent.kernel import launch
 
     launch(ns.connection_file, config)
     return 0

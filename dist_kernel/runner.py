@@ -14,7 +14,8 @@ from jupyter_core.paths import jupyter_runtime_dir
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from dist_kernel.merge import strip_ansi
+from dist_kernel.kernelspec import kernel_json
+from dist_kernel.parent.merge import strip_ansi
 
 
 class _SpecManager(KernelSpecManager):
@@ -23,8 +24,6 @@ class _SpecManager(KernelSpecManager):
     options: list[str] = []
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:  # noqa: ARG002
-        from dist_kernel.cli import kernel_json
-
         return KernelSpec(**kernel_json(self.options))
 
 

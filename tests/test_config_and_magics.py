@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from dist_kernel import config
+from dist_kernel import options as config
 from dist_kernel.exceptions import ConfigError, RankSpecError
-from dist_kernel.magics import format_ranks, parse_rank_spec, plan_cell
+from dist_kernel.parent.magics import format_ranks, parse_rank_spec, plan_cell
 
 
 def ns(**kw):

@@ -19,8 +19,8 @@ import psutil
 import pytest
 from harness import DistKernel
 
-from dist_kernel.reaper import reap, write_pids
-from dist_kernel.supervisor import sweep_stale_runtime_dirs
+from dist_kernel.parent.reaper import reap, write_pids
+from dist_kernel.parent.supervisor import sweep_stale_runtime_dirs
 
 pytestmark = pytest.mark.slow
 

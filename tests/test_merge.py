@@ -7,7 +7,7 @@ import re
 
 from harness import visible
 
-from dist_kernel.merge import CellMerger, merge_errors, namespaced_display_id
+from dist_kernel.parent.merge import CellMerger, merge_errors, namespaced_display_id
 
 W = 0.1  # merge window used throughout
 
@@ -236,7 +236,7 @@ class TestSoloOutput:
 
 class TestThrottle:
     def test_a_flood_is_cut_to_head_and_tail_with_the_full_text_saved(self, tmp_path):
-        from dist_kernel.throttle import StreamThrottle
+        from dist_kernel.parent.throttle import StreamThrottle
 
         shown: list[tuple[str, dict]] = []
         now = [0.0]
@@ -257,7 +257,7 @@ class TestThrottle:
         assert th.spill_path in notes and "were not shown" in notes
 
     def test_ordinary_output_passes_untouched(self):
-        from dist_kernel.throttle import StreamThrottle
+        from dist_kernel.parent.throttle import StreamThrottle
 
         shown = []
         th = StreamThrottle(lambda t, c: shown.append(c["text"]))

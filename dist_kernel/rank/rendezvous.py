@@ -57,7 +57,7 @@ def join(rank: int, world_size: int, backend: str, store: str, timeout: float,
     if seed is not None:
         seed_everything(seed)
     if fastai:
-        from dist_kernel import fastai_integration
+        from dist_kernel.rank import fastai as fastai_integration
 
         fastai_integration.install()
     return str(device)

@@ -25,7 +25,7 @@ from functools import wraps
 from types import ModuleType
 from typing import Any
 
-from dist_kernel import fastai_integration as fi
+from dist_kernel.rank import fastai as fi
 
 PREFIX = "dist_kernel/fastai"
 _calls: dict[str, int] = {}  # per function: how many calls this rank made (same order on every rank)

@@ -20,14 +20,14 @@ from ipykernel.kernelbase import Kernel
 from traitlets import Any as AnyTrait
 
 from dist_kernel import __version__
-from dist_kernel.config import KernelConfig
 from dist_kernel.exceptions import ConfigError, RankDiedError, RankSpecError
-from dist_kernel.execution import OUTPUT_TYPES, CellRun
-from dist_kernel.magics import format_ranks, plan_cell
-from dist_kernel.merge import error_content, label_lines
-from dist_kernel.status import status_bundle
-from dist_kernel.stdin import InputBroker
-from dist_kernel.supervisor import RankSupervisor
+from dist_kernel.options import KernelConfig
+from dist_kernel.parent.execution import OUTPUT_TYPES, CellRun
+from dist_kernel.parent.magics import format_ranks, plan_cell
+from dist_kernel.parent.merge import error_content, label_lines
+from dist_kernel.parent.status import status_bundle
+from dist_kernel.parent.stdin import InputBroker
+from dist_kernel.parent.supervisor import RankSupervisor
 
 #: how many finished cells' child msg_ids are remembered, to place late output
 _RECENT = 64

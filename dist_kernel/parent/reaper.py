@@ -1,6 +1,6 @@
 """A tiny process that outlives the parent kernel by a moment, to clean up after it.
 
-    python -m dist_kernel.reaper PARENT_PID RUNTIME_DIR
+    python -m dist_kernel.parent.reaper PARENT_PID RUNTIME_DIR
 
 A SIGKILLed parent cannot stop its ranks or remove its runtime directory, and a rank stuck
 in C code that holds the GIL (a CUDA synchronisation, a C extension) cannot run a watchdog

@@ -24,7 +24,7 @@ from functools import wraps
 from types import ModuleType
 from typing import Any
 
-from dist_kernel import fastai_integration as fi
+from dist_kernel.rank import fastai as fi
 
 _fit_depth = 0  # > 0 while a (patched) fit runs: nested fits/inference pass straight through
 _local_depth = 0  # > 0 while inference runs whole on this rank: no all_gather
@@ -50,7 +50,7 @@ def _uses_fastai_ddp(learn: Any) -> bool:
 def _quiet_other_ranks(learn: Any) -> Iterator[None]:
     """Rank 0 alone shows the progress bar and the metrics table; the logger comes back after."""
     if fi.rank() == 0:
-        from dist_kernel.rank_agent import solo_output
+        from dist_kernel.rank.agent import solo_output
 
         with solo_output():  # the only bar and table: shown unlabelled, as in one process
             yield

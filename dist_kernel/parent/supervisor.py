@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 
-from dist_kernel.config import KernelConfig
 from dist_kernel.exceptions import RankDiedError, RankStartError
-from dist_kernel.merge import strip_ansi
-from dist_kernel.rank_agent import probe_paths
-from dist_kernel.reaper import write_pids
-from dist_kernel.rendezvous import LOOPBACK_ENV, store_path
+from dist_kernel.options import KernelConfig
+from dist_kernel.parent.merge import strip_ansi
+from dist_kernel.parent.reaper import write_pids
+from dist_kernel.rank.agent import probe_paths
+from dist_kernel.rank.rendezvous import LOOPBACK_ENV, store_path
 
 LOG_TAIL_LINES = 30
 
@@ -154,7 +154,7 @@ class RankSupervisor:
         self._watch_task: asyncio.Task | None = None
         # cleans up if this process is SIGKILLed (see reaper.py); exits when the dir is gone
         self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "dist_kernel.reaper", str(os.getpid()), self.runtime_dir],
+            [sys.executable, "-m", "dist_kernel.parent.reaper", str(os.getpid()), self.runtime_dir],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
 
@@ -254,7 +254,7 @@ class RankSupervisor:
                     fastai=cfg.fastai and first)
         agent = dict(rank=rank, parent_pid=os.getpid(), runtime_dir=self.runtime_dir,
                      empty_cache=cfg.empty_cache)
-        code = ("import dist_kernel.rank_agent as _dk_agent, dist_kernel.rendezvous as _dk_rdzv\n"
+        code = ("import dist_kernel.rank.agent as _dk_agent, dist_kernel.rank.rendezvous as _dk_rdzv\n"
                 f"_dk_agent.setup(**{agent!r})\n_dk_rdzv.join(**{args!r})")
         reply = await self.run_silent(rank, code, {"device": "str(device)"})
         if reply.get("status") != "ok":
@@ -302,7 +302,7 @@ class RankSupervisor:
                 return {**base, "state": r.exit_reason}
             try:
                 reply = await asyncio.wait_for(
-                    self.run_silent(rank, "", {"s": "__import__('dist_kernel.rank_agent').rank_agent.status()"}),
+                    self.run_silent(rank, "", {"s": "__import__('dist_kernel.rank.agent').rank.agent.status()"}),
                     timeout)
             except (asyncio.TimeoutError, RankDiedError):
                 return {**base, "state": "busy"}

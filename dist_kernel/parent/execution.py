@@ -12,8 +12,8 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from dist_kernel.merge import CellMerger, error_content, label_lines, merge_errors
-from dist_kernel.throttle import StreamThrottle
+from dist_kernel.parent.merge import CellMerger, error_content, label_lines, merge_errors
+from dist_kernel.parent.throttle import StreamThrottle
 
 #: IOPub message types that are cell outputs and go through the merger
 OUTPUT_TYPES = {"stream", "display_data", "execute_result", "update_display_data", "clear_output", "error"}

@@ -8,9 +8,9 @@ A rank that never imports fastai pays one dict lookup per import.
 
 What gets patched, and why, lives in two modules named by domain:
 
-- :mod:`dist_kernel.fastai_training`: ``Learner.fit`` under DDP, inference and ``lr_find``
+- :mod:`dist_kernel.rank.fastai.training`: ``Learner.fit`` under DDP, inference and ``lr_find``
   that agree on every rank, one progress bar;
-- :mod:`dist_kernel.fastai_files`: downloads and file side effects run once, on rank 0.
+- :mod:`dist_kernel.rank.fastai.files`: downloads and file side effects run once, on rank 0.
 
 ``%dist_fastai on|off`` (an IPython line magic in the ranks) switches the behaviour at run
 time: the patches stay in place but pass straight through to fastai while it is off.
@@ -83,7 +83,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 def _patches() -> dict[str, Callable[[ModuleType], None]]:
-    from dist_kernel import fastai_files, fastai_training
+    from dist_kernel.rank.fastai import files as fastai_files
+    from dist_kernel.rank.fastai import training as fastai_training
 
     return {**fastai_training.PATCHES, **fastai_files.PATCHES}
 

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dist_kernel.magics import format_ranks
+from dist_kernel.parent.magics import format_ranks
 
 Emit = tuple[str, dict]  # (msg_type, content)
 

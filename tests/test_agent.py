@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from dist_kernel import rank_agent
+from dist_kernel.rank import agent as rank_agent
 
 
 class FakeCuda:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 
-from dist_kernel.config import KernelConfig
+from dist_kernel.options import KernelConfig
 
 COLUMNS = [("rank", "rank"), ("pid", "pid"), ("host", "host"), ("device", "device"), ("state", "state"),
            ("rss_mb", "RSS MB"), ("cuda_allocated_mb", "CUDA alloc MB"), ("cuda_reserved_mb", "CUDA reserved MB"),

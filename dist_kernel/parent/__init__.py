@@ -1,0 +1,4 @@
+"""What runs in the parent kernel process: Jupyter handlers, merging, supervision of the ranks.
+
+Nothing here imports torch.
+"""

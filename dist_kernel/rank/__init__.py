@@ -1,0 +1,1 @@
+"""What runs inside each rank process: the rank kernel, rendezvous, the fastai integration."""
