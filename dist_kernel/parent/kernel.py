@@ -166,8 +166,10 @@ class DistributedKernel(Kernel):
                                   self.supervisor.reply_input) if allow_stdin else None
         for rank in plan.ranks:
             try:
-                msg_id, fut = self.supervisor.send(rank, "execute_request", content,
-                                                   metadata={"cellId": cell_id} if cell_id else None)
+                # the cell's ranks travel along: rank-side code (fastai's show_batch) shows
+                # what one process would show once, from the cell's first rank
+                meta = {"dist_kernel": {"ranks": list(plan.ranks)}, **({"cellId": cell_id} if cell_id else {})}
+                msg_id, fut = self.supervisor.send(rank, "execute_request", content, metadata=meta)
             except RankDiedError as e:
                 run.on_rank_lost(rank, "RankDiedError", str(e))
                 continue

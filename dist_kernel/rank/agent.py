@@ -152,6 +152,27 @@ def solo_output() -> Iterator[None]:
         pub.publish = original
 
 
+def cell_ranks() -> tuple[int, ...]:
+    """The ranks that run the current cell (a ``%%rank`` line may name fewer than all).
+
+    The parent puts them in the execute_request's metadata (``dist_kernel.ranks``); outside a
+    cell, or from an older parent, every rank of the group.
+    """
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    kernel = getattr(shell, "kernel", None)
+    try:
+        meta = kernel.get_parent("shell").get("metadata") or {} if kernel is not None else {}
+    except Exception:  # noqa: BLE001 - no request in this context
+        meta = {}
+    ranks = (meta.get("dist_kernel") or {}).get("ranks")
+    if isinstance(ranks, list) and all(isinstance(r, int) for r in ranks) and ranks:
+        return tuple(ranks)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return tuple(range(world))
+
+
 def set_empty_cache(on: bool) -> None:
     _state["empty_cache"] = bool(on)
 
