@@ -196,6 +196,9 @@ class RankSupervisor:
             "LOCAL_WORLD_SIZE": str(cfg.world_size), "GROUP_RANK": "0", "NODE_RANK": "0",
             "MASTER_ADDR": "127.0.0.1", "JPY_PARENT_PID": str(os.getpid()),
             "DIST_KERNEL_RANK": str(rank), "PYTHONUNBUFFERED": "1",
+            # inherited by everything a rank starts (DataLoader workers, subprocesses): lets a
+            # clean-up find them even after the rank, its parent and the reaper are gone
+            "DIST_KERNEL_RUNTIME_DIR": self.runtime_dir,
         })
         for key, value in LOOPBACK_ENV.items():
             env.setdefault(key, value)
