@@ -70,6 +70,14 @@ def visible(outputs: list[tuple[str, dict]]) -> str:
     return "".join(o[2] if o[0] == "stream" else o[2] + "\n" for o in shown)
 
 
+def is_rank_process(proc: psutil.Process) -> bool:
+    """Is this process one of a kernel's ranks (``python -m dist_kernel.rank``)?"""
+    try:
+        return "dist_kernel.rank" in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
 class DistKernel:
     """A started kernel with a blocking client."""
 
@@ -86,7 +94,7 @@ class DistKernel:
         return self.km.provisioner.process.pid
 
     def rank_pids(self) -> list[int]:
-        return [p.pid for p in psutil.Process(self.pid).children() if "ipykernel_launcher" in " ".join(p.cmdline())]
+        return [p.pid for p in psutil.Process(self.pid).children() if is_rank_process(p)]
 
     def execute(self, code: str, timeout: float = 120, **kw) -> Result:
         kw.setdefault("allow_stdin", False)  # as nbclient; tests that answer input() pass True
