@@ -27,6 +27,7 @@ A legitimate long collective that every rank is in, and a long computation, are 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -192,6 +193,27 @@ class Judge:
         stuck = {r: f"every rank is blocked in torch.distributed calls that cannot complete each other "
                     f"({summary})" for r in busy}
         return Verdict("teardown", stuck, teardown_on=tuple(r for r in cell.world if r not in cell.dead))
+
+
+Reform = Literal["none", "reform", "restart", "later"]
+
+
+def after_cell(torn_down: bool, broke: bool, dead: Iterable[int], left_running: Iterable[int]) -> Reform:
+    """Once a cell has ended: must the group be formed again, and can it be?
+
+    ``none``: the group is fine. ``reform``: it was torn down, or a rank reported that the
+    cell's error broke it: every rank joins a fresh group (variables survive). ``restart``: a
+    rank is dead (also when it died during a re-formation), so no group can form without a new
+    rank. ``later``: a rank is still running the cell the kernel gave up on; the group is
+    formed again once it is back.
+    """
+    if not (torn_down or broke):
+        return "none"
+    if any(True for _ in dead):
+        return "restart"
+    if any(True for _ in left_running):
+        return "later"
+    return "reform"
 
 
 def _call(s: Seen) -> str:

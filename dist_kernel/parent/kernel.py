@@ -71,6 +71,7 @@ class DistributedKernel(Kernel):
         self._start_interrupted = asyncio.Event()  # the stop button while the ranks start
         self._left_running: set[int] = set()  # ranks whose cell was given up on (abandoned)
         self._exiting = False
+        self._reform_pending = False  # a re-formation waits for a rank that was left running
         # every request gets a reply, even when its handler raises (a plain handler would not)
         self.shell_handlers = {t: self._always_reply(t, h) for t, h in self.shell_handlers.items()}
         self.control_handlers = {t: self._always_reply(t, h) for t, h in self.control_handlers.items()}
@@ -180,6 +181,10 @@ class DistributedKernel(Kernel):
                 return {"status": "ok", "execution_count": self.execution_count, "user_expressions": {},
                         "payload": []}
 
+        if self._reform_pending and not self._left_running:
+            self._reform_pending = False
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(sup.form_group(), sup.config.startup_timeout)
         cfg = sup.config
         run = CellRun(plan.ranks, lambda t, c: self._publish(parent, t, c), self.execution_count,
                       world=range(cfg.world_size), window=cfg.merge_window, on_look=self._look,
@@ -281,28 +286,38 @@ class DistributedKernel(Kernel):
 
     def _group_broke(self, run: CellRun) -> bool:
         """Did a rank report that its process group broke during the cell?"""
-        return any(reply.get("dist_kernel", {}).get("group_broken") for reply in run.reply_metadata.values())
+        return any(meta.get("dist_kernel", {}).get("group_broken") for meta in run.reply_metadata.values())
 
     async def _recover_group(self, run: CellRun) -> None:
-        """After a torn-down or failed collective, form a fresh group on every rank."""
+        """After a torn-down or broken group, form a fresh one on every rank (policy: after_cell)."""
         sup = self.supervisor
         assert sup is not None
-        if any(not r.alive for r in sup.ranks.values()):
+
+        def decide() -> str:
+            return fault_policy.after_cell(run.group_broken, self._group_broke(run),
+                                           [r for r, rk in sup.ranks.items() if not rk.alive], self._left_running)
+
+        decision = decide()
+        if decision == "reform":
+            try:
+                await asyncio.wait_for(sup.form_group(), sup.config.startup_timeout)
+                run.notes.append(
+                    "\x1b[1;33mdist_kernel:\x1b[0m the process group was re-formed; every rank's variables "
+                    "survived. Objects bound to the old group (DistributedDataParallel wrappers, new_group() "
+                    "handles) must be created again.")
+                return
+            except Exception as e:  # noqa: BLE001 - a rank died meanwhile, or a join failed
+                decision = decide()
+                if decision == "reform":
+                    run.notes.append(f"Re-forming the process group failed ({e}); restart the kernel.")
+                    return
+        if decision == "restart":
             run.notes.append("A rank died, so the process group cannot be re-formed: restart the kernel.")
-            return
-        if self._left_running:
-            run.notes.append(f"rank {format_ranks(sorted(self._left_running))} is still running its cell, so "
-                             "the process group is re-formed when it finishes; restart the kernel if it does not.")
-            return
-        try:
-            await asyncio.wait_for(sup.form_group(), sup.config.startup_timeout)
-        except Exception as e:  # noqa: BLE001
-            run.notes.append(f"Re-forming the process group failed ({e}); restart the kernel.")
-            return
-        run.notes.append(
-            "\x1b[1;33mdist_kernel:\x1b[0m the process group was re-formed; every rank's variables survived. "
-            "Objects bound to the old group (DistributedDataParallel wrappers, new_group() handles) must be "
-            "created again.")
+        elif decision == "later":
+            self._reform_pending = True
+            run.notes.append(f"rank {format_ranks(sorted(self._left_running))} is still running its cell; the "
+                             "process group is re-formed before the next cell once it is back (restart the "
+                             "kernel if it does not come back).")
 
     def _on_reply(self, run: CellRun, rank: int, fut: asyncio.Future) -> None:
         if fut.cancelled():
