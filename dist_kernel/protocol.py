@@ -81,10 +81,12 @@ class Status(Request):
 
 @dataclass(frozen=True)
 class Teardown(Request):
-    """Destroy the rank's process group(s), so that peers blocked with it raise at once.
-    Works while the rank's own main thread is blocked in a collective (it then raises too)."""
+    """Break the rank's process group, so that every collective on it raises at once: an idle
+    rank destroys it; every rank shuts down its connections to ``peer_pids`` (the other
+    ranks' processes), which frees its own main thread when it is blocked in one."""
 
     op: ClassVar[str] = "teardown"
+    peer_pids: list[int]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dist_kernel.protocol import ProtocolError
 def _examples() -> list[protocol.Request]:
     return [protocol.Join(rank=1, world_size=2, local_rank=1, backend="gloo", store="/tmp/x/store-1",
                           timeout=1800.0, use_cuda=False, first=True, seed=7, fastai=True),
-            protocol.Where(), protocol.Status(), protocol.Teardown(),
+            protocol.Where(), protocol.Status(), protocol.Teardown(peer_pids=[12, 13]),
             protocol.SetOption(name="empty_cache", on=False)]
 
 

@@ -67,6 +67,8 @@ class RankChannel:
         """Send one request; its msg_id, and a future for its reply (None if none is expected)."""
         if self.dead is not None:
             raise self.dead
+        if self.closing:
+            raise RankDiedError(f"rank {self.rank}: the kernel is shutting down")
         msg = self.kc.session.msg(msg_type, content, metadata=metadata or {})
         if buffers:
             msg["buffers"] = list(buffers)

@@ -196,14 +196,13 @@ class CellRun:
             self._last_look = now
             self._looking = asyncio.ensure_future(self.on_look(self))
 
-    def interrupt(self, stopped: Sequence[int] = ()) -> list[int]:
+    def interrupt(self) -> list[int]:
         """The stop button: the busy ranks to send SIGINT now. A rank is signalled at most
-        once a second (a storm of interrupts must not hit a rank that is already unwinding),
-        and never while it is stopped (the signal would wait for it to resume)."""
+        once a second: a storm of interrupts must not hit a rank that is already unwinding."""
         now = self.clock()
         if self.interrupted_at is None:
             self.interrupted_at = now
-        due = [r for r in self.busy_ranks if r not in stopped and now - self.signalled.get(r, -1e9) >= 1.0]
+        due = [r for r in self.busy_ranks if now - self.signalled.get(r, -1e9) >= 1.0]
         for r in due:
             self.signalled[r] = now
         self._last_look = None  # look again soon: ranks blocked in a collective need a teardown

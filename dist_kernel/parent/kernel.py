@@ -516,7 +516,8 @@ class DistributedKernel(Kernel):
                              f"rank {r} (pid {sup.ranks[r].pid}) is {sup.ranks[r].stopped}; resume it with "
                              f"`kill -CONT {sup.ranks[r].pid}` (it then sees the interrupt) or restart the kernel")
             self._left_running.add(r)
-        await sup.interrupt(run.interrupt(stopped))
+        # the stopped ranks are signalled too: the signal waits, and ends their cell once resumed
+        await sup.interrupt(stopped + run.interrupt())
 
     def _exit_soon(self) -> None:
         """``exit()`` in a cell: like a plain kernel, end (after the reply is sent)."""

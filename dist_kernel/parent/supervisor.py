@@ -228,8 +228,9 @@ class RankSupervisor:
 
     async def teardown(self, ranks: list[int] | tuple[int, ...]) -> None:
         """Destroy the group on these ranks, so that peers blocked in a collective with them raise."""
-        await asyncio.gather(*(self.ask(r, protocol.Teardown(), timeout=5.0) for r in ranks
-                               if self.ranks[r].alive))
+        pids = {r: rk.pid for r, rk in self.ranks.items() if rk.alive and rk.pid}
+        await asyncio.gather(*(self.ask(r, protocol.Teardown(peer_pids=[p for q, p in pids.items() if q != r]),
+                                        timeout=5.0) for r in ranks if r in pids))
 
     async def set_option(self, name: str, on: bool) -> list[int]:
         """Switch a rank-side option on every live rank; the ranks that did not confirm."""

@@ -95,14 +95,20 @@ def _group_info(group: object) -> tuple[list[int], int | None]:
     return ranks, seq
 
 
+#: what gloo says when a connection of the group breaks (it raises a plain RuntimeError)
+_GLOO_BROKEN = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
 def group_broke(exc: BaseException | None) -> bool:
     """Did this error (or one it was raised from) come from a broken process group?"""
     dist = sys.modules.get("torch.distributed")
-    broken = getattr(dist, "DistError", None)
+    dist_error = getattr(dist, "DistError", None)
     for _ in range(10):
-        if exc is None or broken is None:
+        if exc is None or dist_error is None:
             return False
-        if isinstance(exc, broken):
+        if isinstance(exc, dist_error):
+            return True
+        if isinstance(exc, RuntimeError) and "gloo" in str(exc) and any(w in str(exc) for w in _GLOO_BROKEN):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -217,15 +223,74 @@ def set_device(device: str) -> None:
     _state["device"] = device
 
 
-def teardown_group() -> Done:
-    """Destroy this rank's process groups: peers blocked in a collective with it raise at once,
-    and so does this rank's own main thread if it is blocked in one."""
-    try:
-        import torch.distributed as dist
+def teardown_group(peer_pids: list[int]) -> Done:
+    """Break this rank's process group, so that every collective on it raises at once.
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-            return Done(outcome="destroyed")
-    except Exception as e:  # noqa: BLE001 - a broken group may refuse; that is fine too
-        return Done(outcome=f"{type(e).__name__}: {e}")
-    return Done(outcome="none")
+    Destroying the group makes peers blocked with this rank raise, but not this rank's own
+    main thread when it is blocked itself (every rank in mismatched collectives): so the
+    rank also shuts down its TCP connections to the peer ranks, which is what a dead peer
+    looks like to gloo ("Connection closed by peer"). The group is formed again afterwards.
+    """
+    cut = cut_connections(peer_pids)
+    outcome = f"cut {cut} connection(s)"
+    if not _state.get("busy"):
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+                outcome += ", destroyed"
+        except Exception as e:  # noqa: BLE001 - a broken group may refuse; that is fine too
+            outcome += f", {type(e).__name__}: {e}"
+    return Done(outcome=outcome)
+
+
+def cut_connections(peer_pids: list[int]) -> int:
+    """Shut down this process's established TCP connections to the given processes (Linux)."""
+    table = _tcp_table()
+    peers: set[str] = set()
+    for pid in peer_pids:
+        peers.update(table[i][0] for i in _socket_inodes(pid) if i in table)
+    cut = 0
+    for inode, fd in _socket_inodes(os.getpid()).items():
+        local, remote, state = table.get(inode, ("", "", ""))
+        if state == "01" and remote in peers:  # 01: ESTABLISHED
+            try:
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+                cut += 1
+            except OSError:
+                continue
+    return cut
+
+
+def _socket_inodes(pid: int) -> dict[int, int]:
+    """Socket inode -> file descriptor, for one process."""
+    found: dict[int, int] = {}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            found[int(link[8:-1])] = int(fd)
+    return found
+
+
+def _tcp_table() -> dict[int, tuple[str, str, str]]:
+    """Socket inode -> (local address, remote address, state), from /proc/net/tcp and tcp6."""
+    table: dict[int, tuple[str, str, str]] = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/net/{name}") as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    table[int(parts[9])] = (parts[1], parts[2], parts[3])
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    return table

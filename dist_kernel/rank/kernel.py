@@ -93,7 +93,7 @@ class RankKernel(IPythonKernel):
             # destroying a group can wait on its work threads: never on the control loop itself
             loop = asyncio.get_running_loop()
             asyncio.ensure_future(self._answer(stream, ident, parent, req.op,
-                                               loop.run_in_executor(None, agent.teardown_group)))
+                                               loop.run_in_executor(None, agent.teardown_group, req.peer_pids)))
         else:
             try:
                 result = _QUICK[type(req)](req)
