@@ -70,6 +70,7 @@ PETS = [
     new_code_cell("learn.fine_tune(3, base_lr=1e-2)"),
     new_code_cell("learn.show_results(max_n=6, figsize=(6, 4))"),
     new_code_cell("interp = ClassificationInterpretation.from_learner(learn)\ninterp.plot_confusion_matrix()"),
+    new_code_cell("interp.plot_top_losses(4, nrows=1, figsize=(6, 2))"),
     new_code_cell(
         "is_cat_, _, probs = learn.predict(files[0])\n"
         "print(f'{files[0].name}: is this a cat? {is_cat_}.')\n"
@@ -109,6 +110,7 @@ TABULAR = [
         "dls.show_batch(max_n=3)"),
     new_code_cell("learn = tabular_learner(dls, layers=[64, 32], metrics=accuracy)\nlearn.lr_find()"),
     new_code_cell("learn.fit_one_cycle(3, 1e-2)"),
+    new_code_cell("learn.recorder.plot_loss()"),
     new_code_cell("learn.show_results(max_n=4)"),
     new_code_cell("preds, targs = learn.get_preds()\nprint(len(preds), 'rows, accuracy', accuracy(preds, targs).item())"),
     new_code_cell("learn.save('tabular')\nlearn = learn.load('tabular')\nrow, clas, probs = learn.predict(df.iloc[0])\nrow.show()\nclas, probs"),
@@ -119,6 +121,8 @@ def write(name: str, cells: list) -> Path:
     nb = new_notebook(cells=cells, metadata={
         "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
         "language_info": {"name": "python"}})
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i:02d}"  # stable ids: rebuilding changes only what changed
     out = HERE / name
     nbformat.write(nb, out)
     return out

@@ -110,6 +110,17 @@ def _check_training_evidence(ev: list[dict]) -> None:
         assert p["rows"] == p["n_valid"] and p["targs_in_order"] and p["preds_match"], p
 
 
+def _check_shown_once(cell, what: str, n: int = 1) -> None:
+    """``cell`` shows ``n`` figures or tables (progress bars aside), none labelled with ranks."""
+    shown = [o for o in cell.get("outputs", []) if o.output_type in ("display_data", "execute_result")
+             and {"image/png", "text/html"} & set(o.get("data", {}))
+             and (o.data.get("image/png") or o.data.get("text/html", "").lstrip().startswith("<table"))
+             and not _progress_outputs({"outputs": [o]})]
+    assert len(shown) == n, (what, [(o.get("metadata"), o.data.get("text/html", "")[:60]) for o in shown])
+    for o in shown:
+        assert "dist_kernel" not in o.get("metadata", {}), (what, o.metadata)
+
+
 def test_vision_notebook_trains_data_parallel(tmp_path, monkeypatch):
     cells, ev = _run("fastai_pets_tiny.ipynb", [BEFORE], [PROBE, CHECKSUM, PREDS], tmp_path, monkeypatch)
     _check_training_evidence(ev)
@@ -127,6 +138,10 @@ def test_vision_notebook_trains_data_parallel(tmp_path, monkeypatch):
     # lr_find finished with the same suggestion on both ranks: one unlabelled result
     results = [o for o in cells[lr_find].outputs if o.output_type == "execute_result"]
     assert len(results) == 1 and results[0].data["text/plain"].startswith("SuggestedLRs(valley=")
+    # figures drawn after training (random batches, per-rank state) appear once, unlabelled
+    for needle in ("show_batch", "show_results", "plot_confusion_matrix", "plot_top_losses", "lr_find"):
+        i = next(i for i, s in src.items() if needle in s)
+        _check_shown_once(cells[i], needle)
     # the trained model is good, and predict/export/load_learner worked on every rank
     assert re.search(r"is this a cat\? (True|False)\.", "".join(
         o.get("text", "") for c in cells for o in c.get("outputs", []) if o.output_type == "stream"))
@@ -151,6 +166,8 @@ def test_tabular_notebook_trains_data_parallel_and_the_magic_switches_off(tmp_pa
     assert len(results) == 1 and results[0].data["text/plain"].startswith("SuggestedLRs(valley=")
     fit = next(i for i, s in src.items() if "fit_one_cycle" in s)
     assert len(_progress_outputs(cells[fit])) == 1
+    for needle in ("show_batch", "show_results", "plot_loss", "lr_find"):  # shown once, unlabelled
+        _check_shown_once(cells[next(i for i, s in src.items() if needle in s)], needle)
     # %dist_fastai off: plain fastai again, each rank on every batch, no DDP
     off = [e for e in ev if "off_ddp" in e]
     assert off and all(not e["off_ddp"] and e["off_batches"] == e["total_batches"] for e in off)
@@ -216,5 +233,117 @@ def test_a_notebook_using_fastais_own_distrib_ctx_trains_data_parallel_on_cpu_ra
             assert e["batches"] == e["total"] / 2  # 10 batches of 64, 5 per rank
         assert ev[0]["state"] == ev[1]["state"]
         assert "Training Learner..." in res.stream()  # fastai's own rank-0 message, shown once
+    finally:
+        k.shutdown()
+
+
+# ------------------------------------------------------------------ empty DataLoaders (issue 11, 14)
+EMPTY = """\
+import json, warnings
+warnings.filterwarnings('ignore')
+from fastai.tabular.all import *
+rng = np.random.default_rng(0); n = 200
+df = pd.DataFrame({'a': rng.normal(size=n), 'b': rng.normal(size=n), 'k': rng.choice(list('xyz'), n)})
+df['y'] = np.where(df.a + df.b > 0, 'hi', 'lo')
+to = TabularPandas(df, procs=[Categorify, Normalize], cat_names=['k'], cont_names=['a', 'b'], y_names='y',
+                   splits=(list(range(n)), []))  # no validation set
+learn = tabular_learner(to.dataloaders(bs=32, num_workers=0), layers=[8], metrics=accuracy)
+learn.fit(1)
+ev = dict(rank=rank, log=[v is None for v in learn.recorder.log[1:-1]], validate=list(learn.validate()),
+          test_preds=learn.get_preds(dl=learn.dls.test_dl(df.iloc[:0])))
+
+def _ds(n):
+    x = torch.randn(n, 2)
+    return [(x[i], x[i].sum(0, keepdim=True)) for i in range(n)]
+def _dl(n, **kw): return DataLoader(_ds(n), bs=4, num_workers=0, **kw)
+for tr, va in [(0, 20), (0, 0)]:  # no training set
+    l = Learner(DataLoaders(_dl(tr, shuffle=True, drop_last=True), _dl(va)), nn.Linear(2, 1), loss_func=MSELossFlat())
+    l.fit(1)
+    ev[f'train{tr}_valid{va}'] = [v is None for v in l.recorder.log[1:-1]]
+print('DKTEST', json.dumps(ev))
+"""
+
+
+def test_a_fit_with_an_empty_validation_or_training_set_runs_as_in_plain_fastai():
+    # plain fastai (one process) trains with valid_loss/metrics None, and returns None for an
+    # empty DataLoader's validate/get_preds; DistributedDL used to divide by the empty length
+    k = DistKernel("--ranks", "2")
+    try:
+        res = k.execute(EMPTY, timeout=240)
+        assert res.status == "ok", (res.reply.get("ename"), res.reply.get("evalue"))
+        ev = {e["rank"]: e for e in (json.loads(m["json"]) for m in _LINE.finditer(res.stream()))}
+        assert set(ev) == {0, 1}
+        for e in ev.values():
+            assert e["log"] == [False, True, True]  # train_loss, valid_loss None, accuracy None
+            assert e["validate"] == [None, None] and e["test_preds"] == [None, None]
+            assert e["train0_valid20"] == [False, False] and e["train0_valid0"] == [False, True]
+    finally:
+        k.shutdown()
+
+
+# ------------------------------------------------------------------ figures shown once (issue 11, 15)
+FIGURES_SETUP = """\
+import json, warnings
+warnings.filterwarnings('ignore')
+from fastai.vision.all import *
+import torch.distributed as dist
+rng = np.random.default_rng(0)
+imgs = [rng.integers(0, 255, (16, 16, 3), dtype=np.uint8) for _ in range(48)]
+labels = ['odd' if i % 2 else 'even' for i in range(48)]
+dblock = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=lambda _: list(range(48)),
+                   get_x=lambda i: PILImage.create(imgs[i]), get_y=lambda i: labels[i],
+                   splitter=IndexSplitter(range(32, 48)), item_tfms=RandomCrop(12))  # random in training
+dls = dblock.dataloaders(0, bs=8, num_workers=0)
+learn = Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(12 * 12 * 3, 2)), metrics=accuracy)
+learn.fit(1)
+# the ranks' random states drift apart in real runs (each rank's own items through data-dependent
+# augmentation, rank-specific code); here they differ outright, so each rank draws its own figures
+set_seed(rank)
+"""
+SHOWN_ONCE = {
+    "dls.show_batch(max_n=4, figsize=(4, 4))": 1,
+    "learn.show_results(max_n=4, figsize=(4, 4))": 1,
+    "learn.recorder.plot_loss()": 1,
+    "interp = ClassificationInterpretation.from_learner(learn)\ninterp.plot_confusion_matrix()": 1,
+    "interp.plot_top_losses(4, nrows=1)": 1,
+    "learn.lr_find(num_it=5)": 1,
+    # drawn into a figure the cell made first
+    "fig, axs = plt.subplots(1, 4)\ndls.show_batch(ctxs=axs, max_n=4)": 1,
+    # the cell returns the figure: execute_result + the inline backend's display, as in one process
+    "dls.show_batch(max_n=4, figsize=(4, 4))\nplt.gcf()": 2,
+    "%%rank 1\ndls.show_batch(max_n=4, figsize=(4, 4))": 1,  # the cell's only rank shows it
+    # draws into the progress bar, which only one rank shows (the others used to fail its assert)
+    "learn.fit(1, cbs=ShowGraphCallback())": 1,
+}
+
+
+def _images(res) -> list:
+    return [o for o in res.outputs if o.msg_type in ("display_data", "execute_result")
+            and "image/png" in o.content.get("data", {})]
+
+
+def _ranks(output) -> list[int] | None:
+    return ((output.content.get("metadata") or {}).get("dist_kernel") or {}).get("ranks")
+
+
+def test_figures_drawn_from_random_batches_are_shown_once_and_unlabelled():
+    k = DistKernel("--ranks", "2")
+    try:
+        res = k.execute(FIGURES_SETUP, timeout=240)
+        assert res.status == "ok", (res.reply.get("ename"), res.reply.get("evalue"))
+        shown = {}  # per cell: the rank labels of its figures (None: unlabelled, as one process shows it)
+        for code in SHOWN_ONCE:
+            res = k.execute(code, timeout=120)
+            assert res.status == "ok", (code, res.reply.get("ename"), res.reply.get("evalue"))
+            shown[code] = [_ranks(o) for o in _images(res)]
+        assert shown == {code: [None] * n for code, n in SHOWN_ONCE.items()}
+        # every rank ran every helper: the group is in step (a skipped or extra collective hangs here)
+        res = k.execute("t = torch.ones(1); dist.all_reduce(t); learn.fit(1); print('DKTEST', json.dumps(dict(rank=rank, sum=t.item())))", timeout=120)
+        assert res.status == "ok" and {m["json"] for m in _LINE.finditer(res.stream())} == {
+            json.dumps(dict(rank=r, sum=2.0)) for r in (0, 1)}
+        # %dist_fastai off: fastai untouched, each rank shows its own batch, labelled
+        assert k.execute("%dist_fastai off").status == "ok"
+        res = k.execute("dls.show_batch(max_n=4, figsize=(4, 4))", timeout=120)
+        assert res.status == "ok" and sorted(_ranks(o) for o in _images(res)) == [[0], [1]]
     finally:
         k.shutdown()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import random
 import re
 
 from harness import visible
 
-from dist_kernel.parent.merge import CellMerger, merge_errors, namespaced_display_id
+from dist_kernel.parent.merge import ERROR_HOLD, CellMerger, DisplayRegistry, merge_errors, namespaced_display_id
 
 W = 0.1  # merge window used throughout
 
@@ -128,13 +129,12 @@ class TestRichOutput:
         assert [c["metadata"]["dist_kernel"]["ranks"] for _, c in out] == [[0], [1]]
         assert "[rank 0]" in out[0][1]["data"]["text/html"]
 
-    def test_display_ids_never_collide_across_ranks(self):
-        c = {"data": {"text/plain": "x"}, "metadata": {}, "transient": {"display_id": "bar"}}
-        out = run(CellMerger([0, 1], W), [(0, 0, "display_data", c), (0, 1, "display_data", c),
-                                          (0.5, 1, "update_display_data", c)])
-        ids = [c["transient"]["display_id"] for _, c in out]
-        assert ids == [namespaced_display_id("bar", 0), namespaced_display_id("bar", 1),
-                       namespaced_display_id("bar", 1)]
+    def test_different_display_ids_on_different_ranks_stay_apart(self):
+        out = run(CellMerger([0, 1], W), [
+            (0, 0, "display_data", {"data": {"text/plain": "x"}, "metadata": {}, "transient": {"display_id": "a"}}),
+            (0, 1, "display_data", {"data": {"text/plain": "x"}, "metadata": {}, "transient": {"display_id": "b"}})])
+        assert [(c["transient"]["display_id"], c["data"]["text/plain"]) for _, c in out] == [
+            ("a", "[rank 0] x"), ("b", "[rank 1] x")]
 
     def test_print_then_display_keeps_order(self):
         out = run(CellMerger([0, 1], W), [say(0, 0, "before\n"), say(0, 1, "before\n"),
@@ -264,3 +264,282 @@ class TestThrottle:
         th.publish("stream", {"name": "stdout", "text": "hello\n"})
         th.close()
         assert shown == ["hello\n"]
+
+
+# ------------------------------------------------------------- issue 11 items
+def disp(t, rank, text, display_id, msg_type="display_data"):
+    return (t, rank, msg_type, {"data": {"text/plain": text}, "metadata": {}, "transient": {"display_id": display_id}})
+
+
+def err(t, rank, ename, evalue="boom"):
+    return (t, rank, "error", {"ename": ename, "evalue": evalue, "traceback": [f"{ename}: {evalue}"]})
+
+
+def kinds(out):
+    return [t for t, _ in out]
+
+
+class TestPartialLines:
+    def test_an_unfinished_line_before_a_clear_does_not_join_the_line_after_it(self):
+        for ranks in ([0], [0, 1]):
+            events = []
+            for r in ranks:
+                events += [say(0, r, "Hello"), (0.001, r, "clear_output", {"wait": True}), say(0.002, r, "world\n")]
+            assert visible(run(CellMerger(ranks, W), events)) == "world\n"
+
+    def test_an_unfinished_line_of_one_stream_is_not_held_behind_the_other_stream(self):
+        out = run(CellMerger([0], W), [say(0, 0, "Hello"), say(0.001, 0, "warn\n", "stderr"), say(0.002, 0, "world\n")])
+        assert [(c["name"], c["text"]) for _, c in out] == [("stdout", "Hello"), ("stderr", "warn\n"),
+                                                             ("stdout", "world\n")]
+
+    def test_an_unfinished_line_stays_before_an_error_shown_after_it(self):
+        m = CellMerger([0], W)
+        for now, rank, t, c in [say(0, 0, "Hello"), err(0.001, 0, "ValueError"), say(0.002, 0, "world\n")]:
+            m.add(rank, t, c, now)
+        m.rank_replied(0, {"status": "ok"}, 0.01)
+        m.finish(1)
+        assert [c.get("text", c.get("ename")) for _, c in m.take()] == ["Hello", "ValueError", "world\n"]
+
+
+class TestDisplayIds:
+    def test_an_identical_display_and_its_identical_updates_show_once_with_their_id(self):
+        events = [disp(0, r, "0%", "bar") for r in (0, 1)] + [
+            disp(0.5, r, "100%", "bar", "update_display_data") for r in (0, 1)]
+        out = run(CellMerger([0, 1], W), events)
+        assert [(t, c["transient"]["display_id"], c["data"]["text/plain"]) for t, c in out] == [
+            ("display_data", "bar", "0%"), ("update_display_data", "bar", "100%")]
+
+    def test_updates_that_differ_show_every_ranks_value_labelled_in_the_same_display(self):
+        events = [disp(0, r, "loss ?", "d") for r in (0, 1)] + [
+            disp(0.5, r, f"loss {r}", "d", "update_display_data") for r in (0, 1)]
+        out = run(CellMerger([0, 1], W), events)
+        assert kinds(out).count("display_data") == 1
+        assert {c["transient"]["display_id"] for _, c in out} == {"d"}
+        assert visible(out) == "[rank 0] loss 0\n[rank 1] loss 1\n"
+
+    def test_a_twin_that_comes_after_the_window_joins_the_display_instead_of_adding_one(self):
+        out = run(CellMerger([0, 1], W), [disp(0, 0, "fig", "d"), disp(0.5, 1, "fig", "d")])
+        assert kinds(out) == ["display_data", "update_display_data"]
+        assert visible(out) == "fig\n"  # labelled "[rank 0]" for a moment, then everyone's
+
+    def test_rich_displays_of_differing_ranks_are_combined_in_html_with_their_images(self):
+        out = run(CellMerger([0, 1], W), [
+            (0, r, "display_data", {"data": {"text/plain": f"<Figure {r}>", "image/png": f"PNG{r}"}, "metadata": {},
+                                    "transient": {"display_id": "f"}}) for r in (0, 1)])
+        final = out[-1][1]
+        assert "data:image/png;base64,PNG0" in final["data"]["text/html"] and "PNG1" in final["data"]["text/html"]
+        assert final["metadata"]["dist_kernel"]["groups"] == [[0], [1]]
+
+    def test_an_update_in_a_later_cell_keeps_what_the_other_ranks_show(self):
+        displays = DisplayRegistry()
+        run(CellMerger([0, 1], W, displays=displays), [disp(0, r, "start", "d") for r in (0, 1)])
+        later = run(CellMerger([0], W, displays=displays), [disp(0, 0, "rank 0 done", "d", "update_display_data")])
+        assert [c["data"]["text/plain"] for _, c in later] == ["[rank 0] rank 0 done\n[rank 1] start"]
+
+    def test_output_a_rank_marks_as_its_alone_keeps_a_display_id_of_its_own(self):
+        c = {"data": {"text/plain": "bar"}, "metadata": {"dist_kernel": {"solo": True}}, "transient": {"display_id": "b"}}
+        m = CellMerger([0, 1], W)
+        m.add(1, "display_data", c, 0.0)
+        assert m.take()[0][1]["transient"]["display_id"] == namespaced_display_id("b", 1)
+
+
+class TestLargeOutputs:
+    def test_a_large_identical_output_waits_for_its_twin_long_enough_to_be_sent_once(self):
+        big = {"data": {"text/plain": "x" * 5_000_000}, "metadata": {}}
+        m = CellMerger([0, 1], W)
+        m.add(0, "execute_result", big, 0.0)
+        for now in (0.1, 0.2, 0.4):  # the twin takes 0.45 s to arrive: far past the window
+            m.poll(now)
+        m.add(1, "execute_result", dict(big), 0.45)
+        m.finish(1.0)
+        out = m.take()
+        assert len(out) == 1 and out[0][1]["data"]["text/plain"] == "x" * 5_000_000
+
+    def test_a_large_output_only_one_rank_shows_is_published_once_its_wait_is_over(self):
+        m = CellMerger([0, 1], W)
+        m.add(0, "display_data", {"data": {"text/plain": "x" * 1_000_000}, "metadata": {}}, 0.0)
+        m.poll(0.15)
+        assert m.take() == []  # 0.1 s + 1 MB at 10 MB/s = 0.2 s
+        m.poll(0.25)
+        assert kinds(m.take()) == ["display_data"]
+
+    def test_100k_identical_displays_per_rank_merge_in_linear_time(self):
+        import time as _time
+
+        m = CellMerger([0, 1], W)
+        t0 = _time.perf_counter()
+        shown = 0
+        for i in range(100_000):
+            for r in (0, 1):
+                m.add(r, "display_data", {"data": {"text/plain": str(i)}, "metadata": {}}, i * 1e-5)
+            if i % 100 == 0:
+                shown += len(m.take())
+        m.finish(2.0)
+        shown += len(m.take())
+        elapsed = _time.perf_counter() - t0
+        assert shown == 100_000
+        assert elapsed < 30  # about 2 s here; quadratic work would take hours
+
+
+class TestErrorsInline:
+    def test_the_error_a_ranks_reply_reports_is_not_published_inline(self):
+        m = CellMerger([0, 1], W)
+        for now, rank, t, c in [err(0, 0, "KeyError"), err(0, 1, "KeyError")]:
+            m.add(rank, t, c, now)
+        for r in (0, 1):
+            m.rank_replied(r, {"status": "error", "ename": "KeyError", "evalue": "boom", "traceback": ["KeyError: boom"]}, 0.1)
+        m.finish(1)
+        assert m.take() == [] and sorted(m.errors) == [0, 1]
+
+    def test_an_error_the_reply_does_not_report_is_an_ordinary_output_merged_when_identical(self):
+        m = CellMerger([0, 1], W)
+        for now, rank, t, c in [err(0, 0, "ValueError"), err(0, 1, "ValueError"), say(0.01, 0, "after\n"),
+                                say(0.01, 1, "after\n")]:
+            m.add(rank, t, c, now)
+        for r in (0, 1):
+            m.rank_replied(r, {"status": "ok"}, 0.1)
+        m.finish(1)
+        out = m.take()
+        assert [(t, c.get("ename", c.get("text"))) for t, c in out] == [("error", "ValueError"), ("stream", "after\n")]
+        assert m.errors == {}  # the cell did not fail
+
+    def test_differing_shown_errors_are_labelled_with_their_rank(self):
+        m = CellMerger([0, 1], W)
+        m.add(0, *err(0, 0, "ValueError")[2:], 0)
+        m.add(1, *err(0, 1, "TypeError")[2:], 0)
+        for r in (0, 1):
+            m.rank_replied(r, {"status": "ok"}, 0.5)
+        m.finish(1)
+        assert [c["traceback"][0] for _, c in m.take()] == ["\x1b[1;31m[rank 0]\x1b[0m", "\x1b[1;31m[rank 1]\x1b[0m"]
+
+    def test_the_reply_may_come_before_its_error(self):
+        m = CellMerger([0], W)
+        m.rank_replied(0, {"status": "error", "ename": "KeyError", "evalue": "boom", "traceback": ["KeyError: boom"]}, 0)
+        m.add(0, *err(0.01, 0, "KeyError")[2:], 0.01)
+        m.finish(1)
+        assert m.take() == [] and m.errors[0]["ename"] == "KeyError"
+
+    def test_a_shown_error_before_the_cells_own_error_is_published_and_the_cells_is_not(self):
+        m = CellMerger([0], W)
+        m.add(0, *err(0, 0, "ZeroDivisionError")[2:], 0)
+        m.add(0, *err(0.1, 0, "KeyError")[2:], 0.1)
+        m.rank_replied(0, {"status": "error", "ename": "KeyError", "evalue": "boom", "traceback": ["KeyError: boom"]}, 0.2)
+        m.finish(1)
+        assert [c["ename"] for _, c in m.take()] == ["ZeroDivisionError"]
+
+    def test_a_shown_error_does_not_hold_back_a_rank_that_keeps_running(self):
+        m = CellMerger([0], W)
+        m.add(0, *err(0, 0, "ValueError")[2:], 0)
+        m.add(0, "stream", {"name": "stdout", "text": "training...\n"}, 0.01)
+        m.poll(ERROR_HOLD / 2)
+        assert m.take() == []  # the reply may still say it was the cell's error
+        m.poll(ERROR_HOLD + 0.01)
+        assert kinds(m.take()) == ["error", "stream"]
+
+    def test_without_a_reply_a_failed_ranks_last_error_is_its_cell_error(self):
+        m = CellMerger([0], W)
+        m.add(0, *err(0, 0, "ValueError")[2:], 0)
+        m.add(0, *err(0.01, 0, "KeyError")[2:], 0.01)
+        m.errors[0] = {"ename": "KeyError", "evalue": "boom", "traceback": []}
+        m.rank_done(0, 0.02)
+        m.finish(1)
+        assert [c["ename"] for _, c in m.take()] == ["ValueError"]
+
+
+class TestLateOutput:
+    def test_output_after_the_cell_is_labelled_with_its_rank_and_updates_displays_in_place(self):
+        m = CellMerger([0, 1], W)
+        run(m, [disp(0, r, "0%", "bar") for r in (0, 1)])
+        assert m.late(1, "stream", {"name": "stdout", "text": "a\nb\n"}, True) == [
+            ("stream", {"name": "stdout", "text": "[rank 1] a\n[rank 1] b\n"})]
+        ((t, c),) = m.late(1, "update_display_data", disp(0, 1, "50%", "bar")[3], True)
+        assert t == "update_display_data" and c["transient"]["display_id"] == "bar"
+        assert c["data"]["text/plain"] == "[rank 0] 0%\n[rank 1] 50%"
+
+
+class TestOutputBudget:
+    @staticmethod
+    def throttle(tmp_path, clock, budget=None, **kw):
+        from dist_kernel.parent.throttle import OutputBudget, StreamThrottle
+
+        shown: list[tuple[str, dict]] = []
+        budget = budget or OutputBudget(clock=lambda: clock[0], spill_dir=str(tmp_path), **kw)
+        return StreamThrottle(lambda t, c: shown.append((t, c)), budget=budget), shown
+
+    def test_rich_outputs_past_the_message_rate_go_to_the_file_as_text_and_are_counted(self, tmp_path):
+        now = [0.0]
+        th, shown = self.throttle(tmp_path, now, msg_rate=10, msg_burst=20)
+        for i in range(100):
+            th.publish("display_data", {"data": {"text/plain": str(i)}, "metadata": {}})
+        th.close()
+        displays = [int(c["data"]["text/plain"]) for t, c in shown if t == "display_data"]
+        notes = "".join(c["text"] for t, c in shown if t == "stream")
+        assert displays == list(range(20)) and "80 outputs were not shown" in notes
+        assert [int(line) for line in open(th.spill_path)] == list(range(20, 100))
+        assert os.path.dirname(th.spill_path) == str(tmp_path)
+
+    def test_no_stream_message_is_longer_than_the_limit(self, tmp_path):
+        from dist_kernel.parent.throttle import MAX_MESSAGE
+
+        now = [0.0]
+        th, shown = self.throttle(tmp_path, now, burst=10_000_000)
+        text = "".join(f"{i}\n" for i in range(500_000))  # 3.4 MB in one message
+        th.publish("stream", {"name": "stdout", "text": text})
+        assert max(len(c["text"]) for _, c in shown) <= MAX_MESSAGE
+        assert "".join(c["text"] for _, c in shown) == text
+
+    def test_a_huge_line_goes_to_the_file_and_its_tail_is_bounded(self, tmp_path):
+        from dist_kernel.parent.throttle import TAIL_BYTES
+
+        now = [0.0]
+        th, shown = self.throttle(tmp_path, now)
+        th.publish("stream", {"name": "stdout", "text": "y" * 10_000_000})
+        th.close()
+        assert sum(len(c["text"]) for _, c in shown) < 2 * TAIL_BYTES
+        assert "more characters in the file" in shown[-1][1]["text"]
+        assert open(th.spill_path).read() == "y" * 10_000_000
+        assert th._file is None  # closed
+
+    def test_the_budget_spans_cells_and_output_after_a_cell_ended(self, tmp_path):
+        from dist_kernel.parent.throttle import OutputBudget
+
+        now = [0.0]
+        budget = OutputBudget(rate=1000, burst=2000, clock=lambda: now[0], spill_dir=str(tmp_path))
+        first, shown1 = self.throttle(tmp_path, now, budget)
+        first.publish("stream", {"name": "stdout", "text": "x" * 1500 + "\n"})
+        first.close()
+        first.publish("stream", {"name": "stdout", "text": "late " * 200 + "\n"})  # a background thread
+        assert "after its cell ended" in shown1[-1][1]["text"] and first._file is None
+        second, shown2 = self.throttle(tmp_path, now, budget)
+        second.publish("stream", {"name": "stdout", "text": "z" * 600 + "\n"})
+        assert "faster than a notebook can show" in shown2[0][1]["text"]
+        now[0] += 10  # quiet: the late output is shown again, after saying what was not
+        first.publish("stream", {"name": "stdout", "text": "back\n"})
+        assert "were not shown" in shown1[-3][1]["text"] and shown1[-1][1]["text"] == "back\n"
+
+    def test_the_newest_state_of_a_display_updated_while_spilling_is_shown_at_the_end(self, tmp_path):
+        now = [0.0]
+        th, shown = self.throttle(tmp_path, now, msg_burst=5, msg_rate=1)
+        for i in range(50):
+            th.publish("update_display_data", {"data": {"text/plain": f"{i}%"}, "metadata": {},
+                                               "transient": {"display_id": "bar"}})
+        th.close()
+        assert shown[-1] == ("update_display_data", {"data": {"text/plain": "49%"}, "metadata": {},
+                                                     "transient": {"display_id": "bar"}})
+
+    def test_a_message_of_wide_characters_is_cut_by_its_bytes(self, tmp_path):
+        from dist_kernel.parent.throttle import MAX_MESSAGE
+
+        now = [0.0]
+        th, shown = self.throttle(tmp_path, now, burst=10_000_000)
+        text = "€" * 200_000 + "a" * 400_000  # 1 MB, the wide characters first
+        th.publish("stream", {"name": "stdout", "text": text})
+        assert max(len(c["text"].encode()) for _, c in shown) <= MAX_MESSAGE
+        assert "".join(c["text"] for _, c in shown) == text
+
+    def test_the_last_lines_keep_carriage_return_progress_as_one_line(self, tmp_path):
+        now = [0.0]
+        th, shown = self.throttle(tmp_path, now, burst=3)  # not even one line fits
+        th.publish("stream", {"name": "stdout", "text": "start\n10%\r20%\r30%\ndone\n"})
+        th.close()
+        assert shown[-1][1]["text"] == "start\n10%\r20%\r30%\ndone\n"

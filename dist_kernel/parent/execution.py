@@ -13,8 +13,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from dist_kernel.parent import fault_policy
-from dist_kernel.parent.merge import CellMerger, error_content, label_lines, merge_errors
-from dist_kernel.parent.throttle import StreamThrottle
+from dist_kernel.parent.merge import CellMerger, DisplayRegistry, error_content, merge_errors
+from dist_kernel.parent.throttle import OutputBudget, StreamThrottle
 
 #: IOPub message types that are cell outputs and go through the merger
 OUTPUT_TYPES = {"stream", "display_data", "execute_result", "update_display_data", "clear_output", "error"}
@@ -43,16 +43,18 @@ class CellRun:
                  window: float, world: Sequence[int] | None = None, clock: Callable[[], float] = time.monotonic,
                  on_look: OnLook | None = None, hang_grace: float = 10.0,
                  rich_from: int | None = None, on_comm: Callable[[int, dict], None] | None = None,
-                 dead: Callable[[], Sequence[int]] = tuple) -> None:
+                 dead: Callable[[], Sequence[int]] = tuple, budget: OutputBudget | None = None,
+                 displays: DisplayRegistry | None = None) -> None:
         self.ranks = tuple(ranks)
-        self.throttle = StreamThrottle(publish)
+        # budget and displays: the kernel's, so the output cap and display ids span its lifetime
+        self.throttle = StreamThrottle(publish, budget=budget)
         self.publish = self.throttle.publish
-        self._direct = publish  # for the odd line printed after the cell ended
         self.world = tuple(world) if world is not None else self.ranks
         self.started = clock()
         self.execution_count = execution_count
         self.clock = clock
-        self.merger = CellMerger(self.ranks, window=window, rich_from=rich_from)
+        self.merger = CellMerger(self.ranks, window=window, rich_from=rich_from,
+                                 displays=displays if displays is not None else DisplayRegistry())
         self.on_look = on_look
         self.on_comm = on_comm
         self.dead = dead
@@ -98,10 +100,10 @@ class CellRun:
             if msg_type == "execute_result":
                 content = dict(content, execution_count=self.execution_count)
             if self.closed:
-                # printed after the cell ended (a background thread): publish it as it comes
-                if msg_type == "stream" and len(self.world) > 1:
-                    content = dict(content, text=label_lines(content.get("text", ""), [rank]))
-                self._direct(msg_type, content)
+                # printed after the cell ended (a background thread): publish it as it comes,
+                # labelled with its rank, under the same output budget as the cells
+                for late_type, late_content in self.merger.late(rank, msg_type, content, len(self.world) > 1):
+                    self.publish(late_type, late_content)
                 return
             self.merger.add(rank, msg_type, content, self.clock())
             if self.merger.ready and self.clock() - self._last_flush >= MIN_FLUSH:
@@ -110,8 +112,7 @@ class CellRun:
     def on_reply(self, rank: int, content: dict) -> None:
         self.replies[rank] = content
         self._replied_at[rank] = self.clock()
-        if content.get("status") == "error" and rank not in self.merger.errors:
-            self.merger.errors[rank] = {k: content.get(k) for k in ("ename", "evalue", "traceback")}
+        self.merger.rank_replied(rank, content, self.clock())
         self._check(rank)
 
     def on_rank_lost(self, rank: int, ename: str, evalue: str, hint: str = "") -> None:

@@ -28,7 +28,8 @@ from dist_kernel.parent.comms import CommRouter
 from dist_kernel.parent.execution import OUTPUT_TYPES, CellRun
 from dist_kernel.parent.launcher import state_words
 from dist_kernel.parent.magics import format_ranks, plan_cell
-from dist_kernel.parent.merge import error_content, label_lines
+from dist_kernel.parent.merge import DisplayRegistry, error_content, label_lines
+from dist_kernel.parent.throttle import OutputBudget
 from dist_kernel.parent.status import status_bundle
 from dist_kernel.parent.stdin import InputBroker
 from dist_kernel.parent.supervisor import RankSupervisor
@@ -67,6 +68,8 @@ class DistributedKernel(Kernel):
         self._current: CellRun | None = None
         self._stdin: InputBroker | None = None
         self.comms = CommRouter()
+        self._output_budget = OutputBudget()  # replaced in start(): spill files in the runtime dir
+        self._displays = DisplayRegistry()  # display ids live across cells
         self._listening: deque[tuple[int, str]] = deque()  # (rank, msg_id) of recent requests
         self._start_interrupted = asyncio.Event()  # the stop button while the ranks start
         self._left_running: set[int] = set()  # ranks whose cell was given up on (abandoned)
@@ -101,6 +104,9 @@ class DistributedKernel(Kernel):
                                              on_stdin=self._on_rank_stdin, on_stopped=self._on_rank_stopped,
                                              extra_argv=self.extra_argv)
             atexit.register(self.supervisor.cleanup_sync)
+            # one output budget for the kernel's life (late output of background threads
+            # counts too); spill files live in the private runtime dir, removed at shutdown
+            self._output_budget = OutputBudget(spill_dir=self.supervisor.runtime_dir)
             self.io_loop.add_callback(self.supervisor.start)
 
     def _always_reply(self, msg_type: str, handler: Any) -> Any:
@@ -190,7 +196,8 @@ class DistributedKernel(Kernel):
                       world=range(cfg.world_size), window=cfg.merge_window, on_look=self._look,
                       hang_grace=cfg.hang_grace, rich_from=plan.ranks[0] if self.output_policy == "rank0" else None,
                       on_comm=lambda rank, msg: self._relay_comm(rank, msg, parent),
-                      dead=lambda: [r for r, rk in sup.ranks.items() if not rk.alive])
+                      dead=lambda: [r for r, rk in sup.ranks.items() if not rk.alive],
+                      budget=self._output_budget, displays=self._displays)
         run.parent = parent
         content = {"code": plan.code, "silent": silent, "store_history": store_history,
                    "user_expressions": user_expressions or {}, "allow_stdin": allow_stdin,

@@ -19,17 +19,31 @@ have not reached the same point) or rewrites its line with ``\r`` (progress bars
 or garble the other ranks' output. Instead, that output goes to an *area*: one display per group of ranks, updated in place with
 ``update_display_data`` (what ipyparallel does per engine).
 
-Errors are not published inline: :func:`merge_errors` turns all ranks' errors into the one
-``error`` output a cell may have.
+Display ids: a display shows, for every rank, the newest content that rank gave it; ranks that
+agree share one unlabelled rendering, ranks that differ are shown side by side, labelled, in
+the same display, so updates still land in place (:class:`DisplayRegistry`).
+
+An item waits longer for its twins the larger it is (:data:`SIZE_RATE`): a large output takes
+each rank a while to serialise and send, and an identical one must still be sent once.
+
+Errors: the cell's status and its one merged error come from the ranks' ``execute_reply``
+(:meth:`CellMerger.rank_replied`); :func:`merge_errors` turns them into the one ``error`` output
+a cell may have, published at the end. An IOPub ``error`` that is not the one its rank's
+reply reports (an exception an ipywidgets ``Output`` swallowed, or ``showtraceback()``) is an
+ordinary output. A rank publishes its cell error before its reply, so its ``error`` items are
+held until the reply says which one it was, or :data:`ERROR_HOLD` after later output of the
+rank shows it is still running.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import html
 import json
 import re
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +52,16 @@ from dist_kernel.parent.magics import format_ranks
 Emit = tuple[str, dict]  # (msg_type, content)
 
 RICH_TYPES = ("display_data", "execute_result", "update_display_data")
+#: an item waits ``window`` plus its size over this for its twins (bytes per second): a 50 MB
+#: result waits 5 s more, a line of 100 characters 10 microseconds
+SIZE_RATE = 10e6
+_SMALL = 65_536  # bytes: items up to this size wait exactly the window, as they always did
+#: how long an ``error`` item that later output of its rank follows waits for the rank's
+#: reply to say whether it is the cell's error (post-execute hooks, such as inline figures,
+#: publish between the cell's error and its reply)
+ERROR_HOLD = 1.0
+#: keys longer than this are kept as a digest (100,000 queued displays stay small)
+_KEY_DIGEST_ABOVE = 512
 
 
 @functools.lru_cache(maxsize=1024)
@@ -66,13 +90,16 @@ def namespaced_display_id(display_id: str, rank: int) -> str:
     return f"{display_id}@rank{rank}"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Item:
     kind: str  # "stream" or an IOPub msg_type
     key: Hashable
     content: dict
     t: float
     solo: bool = False  # shown unlabelled as soon as it is at the head (output policy rank0)
+    size: int = 0  # bytes, roughly: large items wait longer for their twins
+    held: bool = False  # an error item that may be the cell's own error: not published yet
+    display_id: str | None = None
 
 
 @dataclass
@@ -119,6 +146,35 @@ def _json_key(obj: object) -> str:
     return json.dumps(obj, sort_keys=True, default=str)
 
 
+def _content_key(content: dict) -> tuple[Hashable, int]:
+    """What makes two rich outputs identical (data and metadata), and their size in bytes."""
+    text = _json_key([content.get("data"), content.get("metadata")])
+    if len(text) > _KEY_DIGEST_ABOVE:
+        return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=20).digest(), len(text)
+    return text, len(text)
+
+
+class DisplayRegistry:
+    """For each display id the ranks used: the newest content each rank gave it.
+
+    It outlives a cell when the kernel keeps one (an update in a later cell then still knows
+    what the other ranks show); bounded to the ``limit`` most recently used ids.
+    """
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self._states: OrderedDict[str, dict[int, dict]] = OrderedDict()
+
+    def set(self, display_id: str, ranks: Iterable[int], content: dict) -> dict[int, dict]:
+        states = self._states.setdefault(display_id, {})
+        self._states.move_to_end(display_id)
+        for r in ranks:
+            states[r] = content
+        while len(self._states) > self.limit:
+            self._states.popitem(last=False)
+        return states
+
+
 @dataclass
 class CellMerger:
     """Merges one cell's outputs from ``ranks``; see the module docstring."""
@@ -128,6 +184,7 @@ class CellMerger:
     max_pending: int = 20_000  # per rank; beyond it the oldest item is published labelled
     errors: dict[int, dict] = field(default_factory=dict)
     rich_from: int | None = None  # output policy "rank0": rich output from this rank only
+    displays: DisplayRegistry = field(default_factory=DisplayRegistry)  # the kernel's, to span cells
 
     def __post_init__(self) -> None:
         self.ranks = tuple(self.ranks)
@@ -141,6 +198,9 @@ class CellMerger:
         self._area_ranks: set[int] = set()  # ranks that cleared: their output goes to areas
         self._pending_clear: set[int] = set()  # ranks whose areas empty at their next output
         self._area_serial = 0
+        self._held: dict[int, list[_Item]] = {r: [] for r in self.ranks}  # error items held, in order
+        self._reply_error: dict[int, Hashable | None] = {}  # rank -> its reply's error key (None: ok)
+        self._joinable: dict[str, set[int]] = {}  # display id -> ranks in its newest output of this cell
 
     # ----------------------------------------------------------------- input
     def add(self, rank: int, msg_type: str, content: dict, now: float) -> None:
@@ -148,19 +208,30 @@ class CellMerger:
         if msg_type == "stream":
             self._add_stream(rank, content.get("name", "stdout"), content.get("text", ""), now)
         elif msg_type == "error":
-            self.errors.setdefault(rank, content)
+            self._add_error(rank, content, now)
         elif msg_type in RICH_TYPES:
             if self.rich_from is not None and rank != self.rich_from:
                 return
             self._add_rich(rank, msg_type, content, now)
         elif msg_type == "clear_output":
-            self._flush_partials(rank, now)
+            # an unfinished line belongs before the clear: held back, it would join the next line
+            self._flush_partials(rank, now, force=True)
             self._push(rank, _Item("clear_output", ("clear_output", bool(content.get("wait"))), content, now))
+        self._drain(now)
+
+    def rank_replied(self, rank: int, reply: dict, now: float) -> None:
+        """``rank``'s ``execute_reply`` content arrived: it decides the rank's status and error."""
+        failed = reply.get("status") == "error"
+        if failed:
+            self.errors.setdefault(rank, {k: reply.get(k) for k in ("ename", "evalue", "traceback")})
+        self._reply_error[rank] = _error_key(reply) if failed else None
+        self._resolve_errors(rank)
         self._drain(now)
 
     def rank_done(self, rank: int, now: float) -> None:
         """``rank`` will send nothing more for this cell."""
         self._flush_partials(rank, now, force=True)
+        self._resolve_errors(rank, final=True)
         self._done.add(rank)
         self._drain(now)
 
@@ -169,14 +240,40 @@ class CellMerger:
         for (rank, _name), part in list(self._partials.items()):
             if part.text and now - part.t >= self.window:
                 self._flush_partials(rank, now, force=True)
+        for rank, held in self._held.items():
+            # the rank printed more and ERROR_HOLD passed without its reply: it is still
+            # running, so this error was shown and survived (a swallowed exception)
+            for item in [i for i in held if now - i.t >= ERROR_HOLD and i is not self._queues[rank][-1]]:
+                item.held = False
+                held.remove(item)
         self._drain(now)
 
     def finish(self, now: float) -> None:
         """The cell is over: publish everything still held."""
         for rank in self.ranks:
             self._flush_partials(rank, now, force=True)
+            self._resolve_errors(rank, final=True)
             self._done.add(rank)
         self._drain(now, final=True)
+
+    def late(self, rank: int, msg_type: str, content: dict, labelled: bool) -> list[Emit]:
+        """Output of ``rank`` that arrived after the cell ended (a background thread): the
+        messages to publish, labelled with the rank when ``labelled``, display ids resolved
+        as in the cell."""
+        if msg_type == "stream":
+            text = content.get("text", "")
+            self._out.append(("stream", dict(content, text=label_lines(text, [rank]) if labelled else text)))
+        elif msg_type in RICH_TYPES and (content.get("transient") or {}).get("display_id") is not None:
+            content = dict(content)
+            display_id = content.pop("transient")["display_id"]
+            self._emit_display(_Item(msg_type, None, content, 0.0, display_id=display_id), [rank])
+        elif msg_type in RICH_TYPES and labelled:
+            self._out.append((msg_type, _labelled_rich(content, [rank])))
+        elif msg_type == "error" and labelled:
+            self._out.append((msg_type, _labelled_error(content, [rank])))
+        else:
+            self._out.append((msg_type, content))
+        return self.take()
 
     @property
     def ready(self) -> bool:
@@ -208,54 +305,115 @@ class CellMerger:
 
     # ------------------------------------------------------------ internals
     def _add_stream(self, rank: int, name: str, text: str, now: float) -> None:
+        # the other stream's unfinished line came first: it must not wait behind this text
+        self._flush_partials(rank, now, force=True, names=("stderr" if name == "stdout" else "stdout",))
         part = self._partials.setdefault((rank, name), _Partial())
         if not part.text:
             part.t = now
         lines, rest = _split_lines(part.text + text)
         t0 = part.t
         for line in lines:
-            self._push(rank, _Item("stream", ("stream", name, line), {"name": name, "text": line}, t0))
+            self._push(rank, _Item("stream", ("stream", name, line), {"name": name, "text": line}, t0, size=len(line)))
             t0 = now
         part.text, part.t = rest, (now if lines else part.t)
 
-    def _flush_partials(self, rank: int, now: float, force: bool = False) -> None:
-        for name in ("stdout", "stderr"):
+    def _flush_partials(self, rank: int, now: float, force: bool = False,
+                        names: tuple[str, ...] = ("stdout", "stderr")) -> None:
+        for name in names:
             part = self._partials.get((rank, name))
             if part and part.text and (force or now - part.t >= self.window):
                 self._push(rank, _Item("stream", ("stream", name, part.text),
-                                       {"name": name, "text": part.text}, part.t))
+                                       {"name": name, "text": part.text}, part.t, size=len(part.text)))
                 part.text = ""
+
+    def _add_error(self, rank: int, content: dict, now: float) -> None:
+        self._flush_partials(rank, now, force=True)  # keep print-then-error order
+        key = _error_key(content)
+        item = _Item("error", ("error", key), content, now)
+        if rank in self._reply_error:
+            # the reply came first (it can overtake IOPub): its error is not shown inline
+            if key == self._reply_error[rank]:
+                self._reply_error[rank] = ()  # matched once: () equals no error key
+                return
+        else:
+            item.held = True
+            self._held[rank].append(item)
+        self._push(rank, item)
+
+    def _resolve_errors(self, rank: int, final: bool = False) -> None:
+        """Decide the held error items of ``rank``: the last one that is its reply's error is
+        dropped (the merged error is published at the end); the others are ordinary output."""
+        held = self._held[rank]
+        if not held:
+            return
+        if rank in self._reply_error:
+            key = self._reply_error[rank]
+        elif final:
+            # no reply was passed in (the rank died, or rank_replied was not called): a failed
+            # rank's last error is its cell error
+            key = held[-1].key[1] if rank in self.errors else None
+        else:
+            return
+        match = next((i for i in reversed(held) if i.key[1] == key), None) if key is not None else None
+        for item in held:
+            item.held = False
+        held.clear()
+        if match is not None:
+            self._remove(rank, match)
+            if rank in self._reply_error:
+                self._reply_error[rank] = ()
 
     def _add_rich(self, rank: int, msg_type: str, content: dict, now: float) -> None:
         self._flush_partials(rank, now, force=True)  # keep print-then-display order
         content = dict(content)
-        display_id = (content.get("transient") or {}).get("display_id")
-        if display_id is not None:
-            content["transient"] = dict(content["transient"], display_id=namespaced_display_id(display_id, rank))
-            key: Hashable = (msg_type, "display_id", rank, display_id, id(content))  # never collapses
-        else:
-            key = (msg_type, _json_key(content.get("data")), _json_key(content.get("metadata")))
         meta = content.get("metadata") or {}
         marked = isinstance(meta.get("dist_kernel"), dict) and meta["dist_kernel"].get("solo")
         if marked:  # the rank said this output is its alone (rank_agent.solo_output)
             content["metadata"] = {k: v for k, v in meta.items() if k != "dist_kernel"}
         solo = (self.rich_from is not None or bool(marked)) and len(self.ranks) > 1
-        self._push(rank, _Item(msg_type, (key, rank) if solo else key, content, now, solo=solo))
+        display_id = (content.get("transient") or {}).get("display_id")
+        if display_id is not None and solo:
+            # shown as the rank's alone: its ids stay its own
+            content["transient"] = dict(content["transient"], display_id=namespaced_display_id(display_id, rank))
+            display_id = None
+        elif display_id is not None:
+            content.pop("transient")
+        data_key, size = _content_key(content)
+        key: Hashable = (msg_type, display_id, data_key)  # identical outputs with the same id collapse
+        self._push(rank, _Item(msg_type, (key, rank) if solo else key, content, now, solo=solo, size=size,
+                               display_id=display_id))
 
     def _push(self, rank: int, item: _Item) -> None:
         self._queues[rank].append(item)
         c = self._counts[rank]
         c[item.key] = c.get(item.key, 0) + 1
 
+    def _remove(self, rank: int, item: _Item) -> None:
+        queue = self._queues[rank]
+        for i, queued in enumerate(queue):
+            if queued is item:
+                del queue[i]
+                break
+        else:
+            return
+        self._uncount(rank, item)
+
+    def _wait(self, item: _Item) -> float:
+        """How long ``item`` waits for its twins: the window, longer for large items."""
+        return self.window + max(item.size - _SMALL, 0) / SIZE_RATE
+
     def _pop(self, rank: int) -> _Item:
         item = self._queues[rank].popleft()
+        self._uncount(rank, item)
+        return item
+
+    def _uncount(self, rank: int, item: _Item) -> None:
         c = self._counts[rank]
         n = c[item.key] - 1
         if n:
             c[item.key] = n
         else:
             del c[item.key]
-        return item
 
     def _pop_own_run(self, rank: int, now: float, force: bool) -> None:
         """Fast path for floods of rank-specific lines: publish, as one labelled piece, the due
@@ -266,7 +424,7 @@ class CellMerger:
         while queue:
             item = queue[0]
             if (item.kind != "stream" or item.content["name"] != name
-                    or not (force or now - item.t >= self.window or len(queue) > self.max_pending)
+                    or not (force or now - item.t >= self._wait(item) or len(queue) > self.max_pending)
                     or (texts and any(item.key in c for c in others))):
                 break
             texts.append(self._pop(rank).content["text"])
@@ -308,7 +466,8 @@ class CellMerger:
     def _drain(self, now: float, final: bool = False) -> None:
         queues, parts = self._queues, self.ranks
         while True:
-            live = [r for r in parts if queues[r]]
+            # a rank whose head is a held error waits: its later items must not overtake it
+            live = [r for r in parts if queues[r] and not queues[r][0].held]
             if not live:
                 return
             solo = next((r for r in live if queues[r][0].solo), None)
@@ -327,8 +486,11 @@ class CellMerger:
                     continue
             # every rank has a head, they differ and none is queued by all: waiting cannot help
             hopeless = final or len(live) == len(parts) or any(r in self._done and not queues[r] for r in parts)
-            due = [r for r in live if hopeless or now - queues[r][0].t >= self.window
-                   or len(queues[r]) > self.max_pending]
+            # a twin behind a held error is coming: it is released within ERROR_HOLD or at the reply
+            blocked = [self._counts[r] for r in parts if queues[r] and queues[r][0].held]
+            due = [r for r in live if final or len(queues[r]) > self.max_pending
+                   or ((hopeless or now - queues[r][0].t >= self._wait(queues[r][0]))
+                       and not any(queues[r][0].key in c for c in blocked))]
             if not due:
                 return
             # publish every due head, in rank order, twins among the live heads together
@@ -350,6 +512,8 @@ class CellMerger:
     def _match_deeper(self, live: list[int]) -> bool:
         """Find a head item that every rank has queued; publish what precedes it, labelled."""
         queues = self._queues
+        if any(self._held.values()):
+            return False  # what precedes it could be a held error
         for r in sorted(live, key=lambda q: queues[q][0].t):
             key = queues[r][0].key
             if all(self._counts[q].get(key) for q in self.ranks):
@@ -394,11 +558,36 @@ class CellMerger:
             return
         self._open.clear()  # a rich output starts a new output area
         content = item.content
+        if item.kind == "error":
+            self._out.append(("error", content if ranks is None else _labelled_error(content, ranks)))
+            return
+        if item.display_id is not None:
+            self._emit_display(item, group)
+            return
         if in_area and item.kind in ("display_data", "execute_result"):
             self._to_area(lab, group, "rich", content)
             return
         if ranks is not None and item.kind in RICH_TYPES:
             content = _labelled_rich(content, ranks)
+        self._out.append((item.kind, content))
+
+    def _emit_display(self, item: _Item, group: list[int]) -> None:
+        """Publish a display with an id, or its update: one display shows what every rank gave it."""
+        display_id = item.display_id
+        assert display_id is not None
+        states = self.displays.set(display_id, group, item.content)
+        content = {**item.content, **_combined(states, self.ranks), "transient": {"display_id": display_id}}
+        if item.kind == "update_display_data":
+            self._out.append(("update_display_data", content))
+            return
+        joined = self._joinable.get(display_id)
+        if joined is not None and not joined & set(group):
+            # the same display from ranks that had not shown it yet (their twins came late, or
+            # differed): they join the display already there, which now shows them too
+            joined.update(group)
+            self._out.append(("update_display_data", content))
+            return
+        self._joinable[display_id] = set(group)
         self._out.append((item.kind, content))
 
     def _clear_areas(self, ranks: list[int]) -> None:
@@ -465,6 +654,43 @@ def _prefix_lines(text: str, prefix: str | None) -> str:
     if not prefix:
         return text
     return "\n".join(prefix + line if line else line for line in text.split("\n"))
+
+
+def _labelled_error(content: dict, ranks: Sequence[int]) -> dict:
+    tb = list(content.get("traceback") or [])
+    return dict(content, traceback=[f"\x1b[1;31m{label(ranks).strip()}\x1b[0m", *tb])
+
+
+def _html_of(data: dict) -> str:
+    """An output's best rendering as HTML, to show several ranks' outputs in one display."""
+    if "text/html" in data:
+        return str(data["text/html"])
+    for mime in ("image/png", "image/jpeg"):
+        if mime in data:
+            return f"<img src='data:{mime};base64,{str(data[mime]).strip()}'/>"
+    if "image/svg+xml" in data:
+        return str(data["image/svg+xml"])
+    return f"<pre style='margin:0'>{html.escape(str(data.get('text/plain', '')))}</pre>"
+
+
+def _combined(states: dict[int, dict], ranks: Sequence[int]) -> dict:
+    """The content of a display that ranks gave ``states``: the content itself when every rank
+    of the cell gave the same; otherwise each group of ranks' content, labelled, one after another."""
+    groups: dict[Hashable, list[int]] = {}
+    for r in sorted(states):
+        groups.setdefault(_content_key(states[r])[0], []).append(r)
+    if len(groups) == 1:
+        (group,) = groups.values()
+        content = states[group[0]]
+        if set(group) >= set(ranks):
+            return {"data": content.get("data", {}), "metadata": content.get("metadata", {})}
+        return _labelled_rich({"data": content.get("data", {}), "metadata": content.get("metadata", {})}, group)
+    datas = [(g, states[g[0]].get("data") or {}) for g in groups.values()]
+    data = {"text/plain": "\n".join(label(g) + str(d.get("text/plain", "")) for g, d in datas)}
+    if any(m in d for _, d in datas for m in ("text/html", "image/png", "image/jpeg", "image/svg+xml")):
+        data["text/html"] = "".join(f"<div><pre style='margin:0'>{label(g).strip()}</pre>{_html_of(d)}</div>"
+                                    for g, d in datas)
+    return {"data": data, "metadata": {"dist_kernel": {"ranks": sorted(states), "groups": [g for g, _ in datas]}}}
 
 
 def _labelled_rich(content: dict, ranks: Sequence[int]) -> dict:

@@ -6,14 +6,18 @@ import hook on ``sys.meta_path`` that patches each fastai module right after tha
 has executed (and before any other module can copy its names with ``from x import *``).
 A rank that never imports fastai pays one dict lookup per import.
 
-What gets patched, and why, lives in two modules named by domain:
+What gets patched, and why, lives in modules named by domain:
 
 - :mod:`dist_kernel.rank.fastai.training`: ``Learner.fit`` under DDP, inference and ``lr_find``
   that agree on every rank, one progress bar;
-- :mod:`dist_kernel.rank.fastai.files`: downloads and file side effects run once, on rank 0.
+- :mod:`dist_kernel.rank.fastai.files`: downloads and file side effects run once, on rank 0;
+- :mod:`dist_kernel.rank.fastai.figures`: figures and tables drawn from random batches
+  (``show_batch``, ``show_results``, ``plot_loss``, ...) shown once, not once per rank.
 
 ``%dist_fastai on|off`` (an IPython line magic in the ranks) switches the behaviour at run
-time: the patches stay in place but pass straight through to fastai while it is off.
+time: the patches stay in place but pass straight through to fastai while it is off. The
+switch and the helpers the patches share live in :mod:`dist_kernel.rank.fastai.state`, which
+imports none of the others.
 """
 
 from __future__ import annotations
@@ -24,23 +28,7 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-#: the run-time switch; the patched functions consult it on every call
-enabled: bool = True
-
-
-def active() -> bool:
-    """True when the patches should act: switched on and inside a group of 2 or more ranks."""
-    if not enabled:
-        return False
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+from dist_kernel.rank.fastai.state import dist_fastai
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -83,10 +71,22 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 def _patches() -> dict[str, Callable[[ModuleType], None]]:
-    from dist_kernel.rank.fastai import files as fastai_files
-    from dist_kernel.rank.fastai import training as fastai_training
+    """Per fastai module, one function applying every patch module's patches for it."""
+    from dist_kernel.rank.fastai import figures, files, training
 
-    return {**fastai_training.PATCHES, **fastai_files.PATCHES}
+    by_module: dict[str, list[Callable[[ModuleType], None]]] = {}
+    for patches in (training.PATCHES, files.PATCHES, figures.PATCHES):
+        for name, patch in patches.items():
+            by_module.setdefault(name, []).append(patch)
+    return {name: _chain(fns) for name, fns in by_module.items()}
+
+
+def _chain(fns: list[Callable[[ModuleType], None]]) -> Callable[[ModuleType], None]:
+    def patch(mod: ModuleType) -> None:
+        for fn in fns:
+            fn(mod)
+
+    return patch
 
 
 def install() -> None:
@@ -108,16 +108,3 @@ def _register_magic() -> None:
     shell = get_ipython()
     if shell is not None:
         shell.register_magic_function(dist_fastai, "line", "dist_fastai")
-
-
-def dist_fastai(line: str = "") -> None:
-    """``%dist_fastai on|off``: switch the fastai integration; no argument shows the state."""
-    global enabled
-    arg = line.strip().lower()
-    if arg in ("on", "true", "1"):
-        enabled = True
-    elif arg in ("off", "false", "0"):
-        enabled = False
-    elif arg:
-        raise ValueError(f"%dist_fastai {line.strip()!r}: use `%dist_fastai on` or `%dist_fastai off`.")
-    print(f"dist_kernel fastai integration: {'on' if enabled else 'off'}")

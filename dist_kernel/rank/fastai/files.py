@@ -25,7 +25,7 @@ from functools import wraps
 from types import ModuleType
 from typing import Any
 
-from dist_kernel.rank import fastai as fi
+import dist_kernel.rank.fastai.state as state
 
 PREFIX = "dist_kernel/fastai"
 _calls: dict[str, int] = {}  # per function: how many calls this rank made (same order on every rank)
@@ -90,12 +90,12 @@ def rank0_once(name: str, fn: Callable, post: Callable[[Any, str], Any] | None =
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         global _inside
-        if _inside or os.getpid() != _pid or not fi.active():
+        if _inside or os.getpid() != _pid or not state.active():
             return fn(*args, **kwargs)
         _calls[name] = n = _calls.get(name, 0) + 1
         key = f"{PREFIX}/{name}/{n}"
         finish = post or (lambda result, _key: result)
-        if fi.rank() == 0:
+        if state.rank() == 0:
             _inside = True
             try:
                 result = fn(*args, **kwargs)
@@ -130,10 +130,10 @@ def _shared_failures(result: Any, key: str) -> Any:
 
     class SharedFailures(L):
         def map(self, f: Any, *args: Any, **kwargs: Any) -> Any:
-            if f not in _deleters() or not fi.active():
+            if f not in _deleters() or not state.active():
                 return super().map(f, *args, **kwargs)
             done = f"{key}/deleted"
-            if fi.rank() == 0:
+            if state.rank() == 0:
                 res = super().map(f, *args, **kwargs)
                 _store().set(done, b"1")
                 return res

@@ -12,33 +12,26 @@
   rank (fastai writes it on rank 0 only, then only rank 0 reaches the barrier in ``load``:
   a deadlock). Its losses are gathered means, so every rank stops at the same step and
   suggests the same rate.
-- Ranks other than 0 show no progress bar and log no metrics table while fastai runs,
-  and get their logger back afterwards.
+- Ranks other than 0 (the cell's first rank) show no progress bar and log no metrics table while fastai runs,
+  and get their logger back afterwards; ``ShowGraphCallback`` (which draws into the bar)
+  sits the fit out on them.
+- An empty DataLoader (no validation set, an empty test set) runs no batch on any rank, as
+  in plain fastai; fastai's ``DistributedDL`` divides by its length.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from functools import wraps
 from types import ModuleType
 from typing import Any
 
-from dist_kernel.rank import fastai as fi
+import dist_kernel.rank.fastai.state as state
+from dist_kernel.rank.fastai.state import wrap_once as _wrap_once
 
 _fit_depth = 0  # > 0 while a (patched) fit runs: nested fits/inference pass straight through
 _local_depth = 0  # > 0 while inference runs whole on this rank: no all_gather
 _every_rank_saves = False  # True inside lr_find: its temporary checkpoint is per rank
-
-
-def _wrap_once(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
-    """Replace ``owner.name`` by ``make(original)``, unless that was done already."""
-    original = getattr(owner, name)
-    if getattr(original, "__dist_kernel__", False):
-        return
-    new = wraps(original)(make(original))
-    new.__dist_kernel__ = True
-    setattr(owner, name, new)
 
 
 def _uses_fastai_ddp(learn: Any) -> bool:
@@ -48,8 +41,9 @@ def _uses_fastai_ddp(learn: Any) -> bool:
 
 @contextlib.contextmanager
 def _quiet_other_ranks(learn: Any) -> Iterator[None]:
-    """Rank 0 alone shows the progress bar and the metrics table; the logger comes back after."""
-    if fi.rank() == 0:
+    """One rank (rank 0; the cell's first rank in a ``%%rank`` cell) shows the progress bar and the
+    metrics table; the others hide theirs and get their logger back after."""
+    if state.shows_output():
         from dist_kernel.rank.agent import solo_output
 
         with solo_output():  # the only bar and table: shown unlabelled, as in one process
@@ -145,7 +139,7 @@ def _sync_buffers(model: Any) -> None:
 def _fit(original: Callable) -> Callable:
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
         global _fit_depth
-        if not fi.active() or _fit_depth:
+        if not state.active() or _fit_depth:
             return original(self, *args, **kwargs)
         _fit_depth += 1
         try:
@@ -169,7 +163,7 @@ def _local_inference(original: Callable) -> Callable:
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         global _local_depth
-        if not fi.active() or _fit_depth or _uses_fastai_ddp(self):
+        if not state.active() or _fit_depth or _uses_fastai_ddp(self):
             return original(self, *args, **kwargs)
         _local_depth += 1
         try:
@@ -184,7 +178,7 @@ def _local_inference(original: Callable) -> Callable:
 def _lr_find(original: Callable) -> Callable:
     def lr_find(self: Any, *args: Any, **kwargs: Any) -> Any:
         global _every_rank_saves
-        if not fi.active() or _fit_depth or _uses_fastai_ddp(self):
+        if not state.active() or _fit_depth or _uses_fastai_ddp(self):
             return original(self, *args, **kwargs)
         _every_rank_saves = True
         try:
@@ -200,16 +194,16 @@ def _lr_find(original: Callable) -> Callable:
 def _save_model(original: Callable) -> Callable:
     def save_model(file: Any, model: Any, opt: Any, with_opt: bool = True, pickle_protocol: int = 2,
                    **torch_save_kwargs: Any) -> None:
-        if not (_every_rank_saves and fi.active() and fi.rank() > 0):
+        if not (_every_rank_saves and state.active() and state.rank() > 0):
             return original(file, model, opt, with_opt, pickle_protocol, **torch_save_kwargs)
         # fastai's own body minus its `if rank_distrib(): return`
         import torch
         from fastai.torch_core import get_model
 
-        state = get_model(model).state_dict()
+        sd = get_model(model).state_dict()
         if with_opt and opt is not None:
-            state = {"model": state, "opt": opt.state_dict()}
-        torch.save(state, file, pickle_protocol=pickle_protocol, **torch_save_kwargs)
+            sd = {"model": sd, "opt": opt.state_dict()}
+        torch.save(sd, file, pickle_protocol=pickle_protocol, **torch_save_kwargs)
 
     return save_model
 
@@ -251,6 +245,7 @@ def _patch_distributed(mod: ModuleType) -> None:
         return t.cpu().tolist()
 
     mod.DistributedDL._broadcast = _broadcast
+    _wrap_once(mod.DistributedDL, "get_idxs", _get_idxs)
 
     def _init(original: Callable) -> Callable:
         def __init__(self: Any, sync_bn: bool = True, **kwargs: Any) -> None:
@@ -264,9 +259,48 @@ def _patch_distributed(mod: ModuleType) -> None:
     _wrap_once(mod.DistributedTrainer, "__init__", _init)
 
 
+def _graph_before_fit(original: Callable) -> Callable:
+    """``ShowGraphCallback`` draws its loss graph into the progress bar, and asserts there is one:
+    on the ranks that hide theirs it would raise mid-fit while the others wait in a collective.
+    There it sits the fit out; the graph is drawn once, by the rank that shows the bar."""
+
+    def before_fit(self: Any) -> Any:
+        if state.active() and not hasattr(self.learn, "progress") and not state.shows_output():
+            self.run = False  # fastai sets it back to True after the fit
+            return None
+        return original(self)
+
+    return before_fit
+
+
+def _patch_progress(mod: ModuleType) -> None:
+    _wrap_once(mod.ShowGraphCallback, "before_fit", _graph_before_fit)
+
+
+def _get_idxs(original: Callable) -> Callable:
+    """fastai's ``DistributedDL.get_idxs`` that also shards an empty DataLoader (an empty
+    validation set, an empty test set): no batches on any rank, as plain fastai runs no batch.
+    fastai's own divides by the number of items (ZeroDivisionError)."""
+
+    def get_idxs(self: Any) -> list:
+        if not state.active():
+            return original(self)
+        # fastai's body: every rank computes its indices (same length), rank 0's are used
+        idxs = self._broadcast(list(self.dl.get_idxs()), 0)
+        self.n = len(idxs)
+        self.n_padded = -(-self.n // self.world_size) * self.world_size  # next multiple
+        if self.n:  # pad by repeating indices so that every rank gets as many
+            idxs += (idxs * (self.n_padded // self.n))[: self.n_padded - self.n]
+        share = self.n_padded // self.world_size
+        return idxs[self.rank * share:(self.rank + 1) * share]
+
+    return get_idxs
+
+
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "fastai.torch_core": _patch_torch_core,
     "fastai.learner": _patch_learner,
     "fastai.callback.schedule": _patch_schedule,
     "fastai.distributed": _patch_distributed,
+    "fastai.callback.progress": _patch_progress,
 }
