@@ -29,10 +29,10 @@ from dist_kernel.parent.execution import OUTPUT_TYPES, CellRun
 from dist_kernel.parent.launcher import state_words
 from dist_kernel.parent.magics import format_ranks, plan_cell
 from dist_kernel.parent.merge import DisplayRegistry, error_content, label_lines
-from dist_kernel.parent.throttle import OutputBudget
 from dist_kernel.parent.status import status_bundle
 from dist_kernel.parent.stdin import InputBroker
 from dist_kernel.parent.supervisor import RankSupervisor
+from dist_kernel.parent.throttle import OutputBudget
 
 #: how many finished requests' listeners are kept, to place late output (background threads)
 _RECENT = 64
