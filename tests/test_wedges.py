@@ -234,6 +234,13 @@ def displays_then_spill(cell: Cell, n: int) -> None:
     with open(notes[0]) as f:
         saved = set(shown_values([line for line in f if LABELLED.match(line.strip())]))
     assert missing <= saved, f"{len(missing - saved)} lost displays are not in the spill file either"
+    remove_spills(cell)
+
+
+def remove_spills(cell: Cell) -> None:
+    for path in set(SPILL.findall(cell.stream("stderr"))):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 @pytest.mark.timeout(150)
@@ -269,6 +276,7 @@ def test_a_million_printed_lines_per_rank_end_and_the_last_line_is_shown():
         cell = k.run("for i in range(10**6):\n    print(i)", timeout=360)
         assert cell.ended, "the cell did not end"
         assert "999999\n" in cell.stream(), "the last printed line is not shown"
+        remove_spills(cell)
         prints_ranks(k)
 
 

@@ -88,7 +88,9 @@ class CellRun:
             if self.on_comm is not None:
                 if _capture_change(msg_type, content) and not self.closed:
                     # an Output widget starts or stops capturing: what the rank printed before
-                    # must reach the frontend before the widget's state changes
+                    # must reach the frontend before the widget's state changes, errors it
+                    # showed and swallowed included
+                    self.merger.release_errors(rank, self.clock())
                     self.flush(force=True)
                 self.on_comm(rank, msg)
             return

@@ -352,6 +352,14 @@ class DistributedKernel(Kernel):
                              + "Restart the kernel to start fresh ranks; the group cannot continue without it.")
 
     def _on_rank_stopped(self, rank: int, state: str) -> None:
+        """A rank was stopped (``state`` in words) or runs again (``state`` empty)."""
+        sup = self.supervisor
+        if not state:
+            if sup is not None and rank in self._left_running:
+                # the interrupt it got while stopped may have gone to another thread on resume:
+                # signal it again now that it runs, so its cell ends
+                asyncio.ensure_future(sup.interrupt([rank]))
+            return
         run = self._current
         if run is not None and rank in run.busy_ranks:
             self._notice_stopped(run, rank)

@@ -248,6 +248,14 @@ class CellMerger:
                 held.remove(item)
         self._drain(now)
 
+    def release_errors(self, rank: int, now: float) -> None:
+        """The errors ``rank`` showed so far were survived (an ipywidgets ``Output`` swallowed
+        them as its capture ended): they are ordinary output, published in place."""
+        for item in self._held[rank]:
+            item.held = False
+        self._held[rank].clear()
+        self._drain(now)
+
     def finish(self, now: float) -> None:
         """The cell is over: publish everything still held."""
         for rank in self.ranks:

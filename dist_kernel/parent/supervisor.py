@@ -283,9 +283,8 @@ class RankSupervisor:
                 stopped = state_words(state) if state in STOPPED else ""
                 if stopped != r.stopped:
                     r.stopped = stopped
-                    if stopped:
-                        with contextlib.suppress(Exception):
-                            self.on_stopped(r.rank, stopped)
+                    with contextlib.suppress(Exception):
+                        self.on_stopped(r.rank, stopped)  # "" when it runs again
             await asyncio.sleep(interval)
 
     def _rank_states(self) -> str:
