@@ -489,6 +489,16 @@ class DistributedKernel(Kernel):
         return None
 
     # ---------------------------------------------------------- control
+    def _publish_status(self, status: str, channel: str, parent: dict | None = None) -> None:
+        # jupyter_client's KernelManager and its client share a session id but count messages
+        # separately, so an interrupt_request can carry the very msg_id of the running cell:
+        # its busy/idle would read, to nbclient, as the cell's idle. Such a pair is not sent.
+        if channel == "control" and parent is None and self._current is not None:
+            control_id = self.get_parent("control").get("header", {}).get("msg_id")
+            if control_id == self._current.parent.get("header", {}).get("msg_id"):
+                return
+        super()._publish_status(status, channel, parent)
+
     def pre_handler_hook(self) -> None:
         """Keep the parent's SIGINT handler (interrupt the ranks) while handling requests."""
 
