@@ -81,9 +81,10 @@ class RankKernel(IPythonKernel):
         main thread and can take seconds (importing torch): it is answered from a task, so
         the control channel stays free for ``where`` and ``status`` meanwhile.
         """
-        op = str((parent.get("content") or {}).get("op", "?"))
+        content = parent.get("content")
+        op = str(content.get("op", "?")) if isinstance(content, dict) else "?"
         try:
-            req = protocol.parse_request(parent.get("content"))
+            req = protocol.parse_request(content)
         except protocol.ProtocolError as e:
             self._dist_reply(stream, ident, parent, op, protocol.ErrorReply("ProtocolError", str(e)))
             return
