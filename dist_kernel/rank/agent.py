@@ -191,9 +191,9 @@ def set_option(name: str, on: bool) -> Done:
     if name == "empty_cache":
         set_empty_cache(on)
     elif name == "fastai":
-        from dist_kernel.rank import fastai
+        from dist_kernel.rank.fastai import state
 
-        fastai.set_enabled(on)
+        state.set_enabled(on)
     return Done(outcome=f"{name} {'on' if on else 'off'}")
 
 
