@@ -111,6 +111,7 @@ def run_idle(plain: Kernel, cfg: dict, res: dict) -> None:
     n = icfg["ranks"]
     log(f"idle: {n} rank(s) beside the plain ipykernel, {icfg['window']:.0f} s window")
     k = Kernel("dist", n)
+    gloo = None
     try:
         # the same cells in both: torch imported (a rank has it for its group), one trivial cell
         for kern in (plain, k):
@@ -118,14 +119,20 @@ def run_idle(plain: Kernel, cfg: dict, res: dict) -> None:
             kern.check("x = 1")
         names = {**measure.thread_names(plain), **measure.thread_names(k)}
         ranks = measure.rank_pids(k)
+        gloo, gloo_names = measure.gloo_idle_process()
+        names.update(gloo_names)
         time.sleep(icfg["settle"])  # let the replies, status messages and heartbeats of those cells pass
-        procs = {"plain ipykernel": plain.pid, "dist_kernel parent": k.pid,
-                 **{f"rank {r}": pid for r, pid in sorted(ranks.items())}}
+        procs = {"plain ipykernel": plain.pid, **{f"rank {r}": pid for r, pid in sorted(ranks.items())},
+                 "dist_kernel parent": k.pid}
+        if gloo.poll() is None:
+            procs["python + gloo group, no kernel"] = gloo.pid
         res["idle"] = {"ranks": n, **measure.idle_cost(procs, icfg["window"], names)}
     finally:
+        if gloo is not None:
+            gloo.communicate(timeout=30)  # closes its stdin: it exits
         k.shutdown()
     p = res["idle"]["procs"]
-    log("idle: " + "; ".join(f"{label} {v['cpu_per_s'] * 1e3:.2f} ms CPU/s, {v['wakeups_per_s']:.1f} wakeups/s"
+    log("idle: " + "; ".join(f"{label} {v['sched_cpu_per_s'] * 1e3:.2f} ms CPU/s, {v['wakeups_per_s']:.1f} wakeups/s"
                              for label, v in p.items()))
 
 

@@ -111,6 +111,17 @@ def _header(res: dict) -> list[str]:
             "All ranks run on CPU (gloo). Ratios compare numbers measured side by side in this run.", ""]
 
 
+#: the thread gloo's TCP transport runs in every process with a gloo group: epoll_wait with a 10 ms
+#: timeout in a loop (gloo/transport/tcp/loop.cc), so ~100 wakeups/s however idle the process is
+GLOO_LOOP = "gloo_tcp_loop"
+
+
+def _cpu(v: dict) -> float:
+    """CPU seconds per second: schedstat (ns) where the kernel has it, else stat's 10 ms ticks."""
+    x = v.get("sched_cpu_per_s", float("nan"))
+    return x if _ok(x) else v["cpu_per_s"]
+
+
 def _idle_worst(res: dict) -> tuple[str, dict, dict] | None:
     """(label, numbers) of the rank with the most idle wakeups, and the plain kernel's numbers."""
     procs = (res.get("idle") or {}).get("procs", {})
@@ -121,26 +132,41 @@ def _idle_worst(res: dict) -> tuple[str, dict, dict] | None:
     return label, worst, procs["plain ipykernel"]
 
 
+def _without_gloo(v: dict) -> tuple[float, float]:
+    """(wakeups/s, CPU s/s) of a process less its gloo loop thread(s)."""
+    rest = [t for t in v["threads"] if t["comm"] != GLOO_LOOP]
+    cpu = [t.get("sched_cpu_per_s", float("nan")) for t in rest]
+    return sum(t["wakeups_per_s"] for t in rest), sum(cpu) if all(_ok(c) for c in cpu) else float("nan")
+
+
 def idle_targets(res: dict) -> list[tuple[str, str, bool | None]]:
-    """Issue 12: an idle rank wakes and spends CPU no more than a plain ipykernel. One count or one
-    clock tick over the window is within noise, so that much above plain still counts as met."""
+    """Issue 12: an idle rank wakes and spends CPU no more than a plain ipykernel. One wakeup over
+    the window is within noise, so that much above plain still counts as met; CPU likewise gets
+    0.1 ms/s (schedstat) or one 10 ms clock tick over the window (stat)."""
     w = _idle_worst(res)
     if w is None:
         return []
     label, rank, plain = w
     window = res["idle"]["window_s"]
-    tick = 1 / 100 / window  # CPU is read in clock ticks (10 ms)
+    fine = _ok(rank.get("sched_cpu_per_s", float("nan")))
+    slack = 1e-4 if fine else 1 / 100 / window
+    wake_rest, cpu_rest = _without_gloo(rank)
     return [("idle rank wakeups/s <= plain ipykernel's (issue 12)",
              f"{label} {rank['wakeups_per_s']:.1f} vs {plain['wakeups_per_s']:.1f}/s "
              f"({ratio(rank['wakeups_per_s'], plain['wakeups_per_s']):.2f}x)",
              rank["wakeups_per_s"] <= plain["wakeups_per_s"] + 1 / window),
             ("idle rank CPU <= plain ipykernel's (issue 12)",
-             f"{label} {rank['cpu_per_s'] * 1e3:.2f} vs {plain['cpu_per_s'] * 1e3:.2f} ms/s",
-             rank["cpu_per_s"] <= plain["cpu_per_s"] + tick + 1e-9)]
+             f"{label} {_cpu(rank) * 1e3:.2f} vs {_cpu(plain) * 1e3:.2f} ms/s",
+             _cpu(rank) <= _cpu(plain) + slack),
+            (f"(information) the same, less torch's `{GLOO_LOOP}` thread",
+             f"{wake_rest:.1f} vs {plain['wakeups_per_s']:.1f} wakeups/s; {num(cpu_rest * 1e3)} vs "
+             f"{_cpu(plain) * 1e3:.2f} ms/s",
+             wake_rest <= plain["wakeups_per_s"] + 1 / window and not cpu_rest > _cpu(plain) + slack)]
 
 
 def idle_markdown(res: dict, heading: str = IDLE_SECTION) -> str:
-    """Section 7: idle CPU and wakeups of a rank, the plain ipykernel and the parent, and per thread."""
+    """Section 7: idle CPU and wakeups of the ranks, the plain ipykernel, the parent and a bare
+    gloo process, in total and per thread."""
     idle = res.get("idle")
     if not idle:
         return ""
@@ -148,33 +174,39 @@ def idle_markdown(res: dict, heading: str = IDLE_SECTION) -> str:
     procs = idle["procs"]
     plain = procs.get("plain ipykernel", {})
     lines = [heading, "", f"dist_kernel at {idle['ranks']} ranks beside a plain ipykernel, both with torch imported "
-             f"and one trivial cell run, then {num(icfg.get('settle'), '{:.0f}')} s to settle; all processes read "
-             f"from /proc at the same two instants {idle['window_s']:.1f} s apart. CPU: utime + stime of all "
-             "threads (10 ms clock ticks). Wakeups: voluntary + nonvoluntary context switches summed over "
-             "`/proc/PID/task/*/status` (a thread that sleeps again after waking counts one). The parent is "
-             "shown for information: it polls its ranks (`/proc`, liveness) every 0.2 s from its own side.", ""]
+             f"and one trivial cell run, then {num(icfg.get('settle'), '{:.0f}')} s to settle; every process read "
+             f"from /proc at the same two instants {idle['window_s']:.1f} s apart. CPU: all threads, from "
+             "`/proc/PID/task/*/schedstat` (ns) and from utime + stime in `/proc/PID/stat` (10 ms ticks). "
+             "Wakeups: voluntary + nonvoluntary context switches summed over `/proc/PID/task/*/status` (each "
+             "time a thread went back to sleep after waking, or was preempted). The parent is shown for "
+             "information: it polls its ranks (`/proc`, liveness) every 0.2 s from its own side. The last row "
+             "is a bare `python` (no kernel) holding an idle world-1 gloo group: what torch's gloo costs by itself.",
+             ""]
     rows = []
     for label, v in procs.items():
-        rows.append([label, str(v["pid"]), num(v["cpu_per_s"] * 1e3), num(v["wakeups_per_s"], "{:.1f}"),
-                     "" if label == "plain ipykernel" else f"{num(ratio(v['cpu_per_s'], plain.get('cpu_per_s')))}x",
-                     "" if label == "plain ipykernel" else
-                     f"{num(ratio(v['wakeups_per_s'], plain.get('wakeups_per_s')))}x",
+        base = label == "plain ipykernel"
+        rows.append([label, num(_cpu(v) * 1e3), num(v["cpu_per_s"] * 1e3), num(v["wakeups_per_s"], "{:.1f}"),
+                     "" if base else f"{num(ratio(_cpu(v), _cpu(plain)))}x",
+                     "" if base else f"{num(ratio(v['wakeups_per_s'], plain.get('wakeups_per_s')))}x",
                      str(len(v["threads"]))])
-    lines += _table(["process", "pid", "CPU ms/s", "wakeups/s", "CPU vs plain", "wakeups vs plain", "threads"], rows)
-    lines += ["Per thread: Python thread name where the process is a kernel that ran a cell listing them "
-              "(`threading.enumerate()`), else the OS name (`/proc/PID/task/TID/comm`). Threads that did "
-              "not wake in the window are counted in one row.", ""]
+    lines += _table(["process", "CPU ms/s", "CPU ms/s (stat ticks)", "wakeups/s", "CPU vs plain", "wakeups vs plain",
+                     "threads"], rows)
+    lines += ["Per thread (the first rank only; the others look alike): the Python thread name (with its class) "
+              "where the process ran a cell listing them (`threading.enumerate()`), and the OS name "
+              "(`/proc/PID/task/TID/comm`). Threads that did not run in the window are counted in one row.", ""]
     rows = []
+    first_rank = next((k for k in procs if k.startswith("rank ")), None)
     for label, v in procs.items():
+        if label.startswith("rank ") and label != first_rank:
+            continue
         quiet = 0
-        for t in sorted(v["threads"], key=lambda t: -t["wakeups_per_s"]):
-            if t["wakeups_per_s"] == 0 and t["cpu_per_s"] == 0:
+        for t in sorted(v["threads"], key=lambda t: (-t["wakeups_per_s"], -_cpu(t))):
+            if t["wakeups_per_s"] == 0 and not _cpu(t) > 0:
                 quiet += 1
                 continue
-            rows.append([label, t["name"] or "", t["comm"], num(t["wakeups_per_s"], "{:.1f}"),
-                         num(t["cpu_per_s"] * 1e3)])
+            rows.append([label, t["name"] or "", t["comm"], num(t["wakeups_per_s"], "{:.1f}"), num(_cpu(t) * 1e3, "{:.3f}")])
         if quiet:
-            rows.append([label, f"{quiet} other thread(s)", "", "0.0", "0.00"])
+            rows.append([label, f"{quiet} other thread(s)", "", "0.0", "0.000"])
     lines += _table(["process", "thread", "comm", "wakeups/s", "CPU ms/s"], rows)
     return "\n".join(lines)
 

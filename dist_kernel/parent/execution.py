@@ -25,6 +25,8 @@ MIN_FLUSH = 0.01
 
 #: comm messages (widgets) from the ranks go straight to the frontend, in order with outputs
 COMM_TYPES = {"comm_open", "comm_msg", "comm_close"}
+#: the merger's name for a comm message it keeps in order with the outputs
+IN_ORDER = "dist_kernel.in_order"
 #: a rank whose reply came but whose ``idle`` did not, and that sent nothing for this long,
 #: is finished all the same: a lost message never leaves a cell waiting forever
 IDLE_LOST_AFTER = 3.0
@@ -85,13 +87,11 @@ class CellRun:
         content = msg["content"]
         self._heard[rank] = self.clock()
         if msg_type in COMM_TYPES:
-            if self.on_comm is not None:
-                if _capture_change(msg_type, content) and not self.closed:
-                    # an Output widget starts or stops capturing: what the rank printed before
-                    # must reach the frontend before the widget's state changes, errors it
-                    # showed and swallowed included
-                    self.merger.release_errors(rank, self.clock())
-                    self.flush(force=True)
+            if _capture_change(msg_type, content) and not self.closed:
+                # an Output widget starts or stops capturing: what the rank printed before
+                # must reach the frontend before the widget's state changes
+                self.merger.add_in_order(rank, IN_ORDER, {"rank": rank, "msg": msg}, self.clock())
+            elif self.on_comm is not None:
                 self.on_comm(rank, msg)
             return
         if msg_type == "status":
@@ -144,7 +144,11 @@ class CellRun:
 
     def _publish_merged(self) -> None:
         for msg_type, content in self.merger.take():
-            self.publish(msg_type, content)
+            if msg_type == IN_ORDER:
+                if self.on_comm is not None:
+                    self.on_comm(content["rank"], content["msg"])
+            else:
+                self.publish(msg_type, content)
 
     async def wait(self) -> dict | None:
         """Relay output until every rank is finished; returns the merged error or None."""
