@@ -117,7 +117,7 @@ def run_idle(plain: Kernel, cfg: dict, res: dict) -> None:
         for kern in (plain, k):
             kern.check(measure.FIRST_CELL)
             kern.check("x = 1")
-        names = {**measure.thread_names(plain), **measure.thread_names(k)}
+        names = {**measure.thread_names(plain), **measure.thread_names(k), **measure.pyspy_thread_names(k.pid)}
         ranks = measure.rank_pids(k)
         gloo, gloo_names = measure.gloo_idle_process()
         names.update(gloo_names)

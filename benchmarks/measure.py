@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -104,7 +105,8 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 #: Python threads before 3.14, so /proc alone cannot tell IOPub from Heartbeat)
 THREAD_NAMES_CELL = ("import json as _j, os as _o, threading as _th\n"
                      "print('@threads' + _j.dumps({'pid': _o.getpid(), 'names': {t.native_id: t.name + "
-                     "('' if type(t) is _th.Thread or type(t).__name__ in t.name else f' ({type(t).__name__})') "
+                     "('' if type(t) is _th.Thread or type(t).__name__[0] == '_' or type(t).__name__ in t.name "
+                     "else f' ({type(t).__name__})') "
                      "for t in _th.enumerate()}}))")
 
 #: a bare Python process (no kernel) holding an idle world-1 gloo group: what torch itself costs
@@ -126,6 +128,23 @@ def thread_names(k: Kernel) -> dict[int, dict[int, str]]:
             d = json.loads(line.split("@threads", 1)[1])
             out[int(d["pid"])] = {int(t): n for t, n in d["names"].items()}
     return out
+
+
+_PYSPY_THREAD = re.compile(r'^Thread (\d+) \([^)]*\): "(.*)"$', re.M)
+
+
+def pyspy_thread_names(pid: int) -> dict[int, dict[int, str]]:
+    """{pid: {tid: Python thread name}} from ``py-spy dump`` where py-spy is installed (for the parent,
+    which runs no user cell); empty without it. It pauses the process for a moment: call it before
+    a measurement window, not during one."""
+    exe = shutil.which("py-spy")
+    if not exe:
+        return {}
+    try:
+        out = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {pid: {int(tid): name for tid, name in _PYSPY_THREAD.findall(out)}}
 
 
 def _stat_cpu(path: str) -> float:

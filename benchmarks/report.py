@@ -192,8 +192,9 @@ def idle_markdown(res: dict, heading: str = IDLE_SECTION) -> str:
     lines += _table(["process", "CPU ms/s", "CPU ms/s (stat ticks)", "wakeups/s", "CPU vs plain", "wakeups vs plain",
                      "threads"], rows)
     lines += ["Per thread (the first rank only; the others look alike): the Python thread name (with its class) "
-              "where the process ran a cell listing them (`threading.enumerate()`), and the OS name "
-              "(`/proc/PID/task/TID/comm`). Threads that did not run in the window are counted in one row.", ""]
+              "where the process ran a cell listing them (`threading.enumerate()`; the parent's from `py-spy dump` "
+              "when py-spy is installed), and the OS name (`/proc/PID/task/TID/comm`). Threads that did not run "
+              "in the window are counted in one row.", ""]
     rows = []
     first_rank = next((k for k in procs if k.startswith("rank ")), None)
     for label, v in procs.items():

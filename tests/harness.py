@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import psutil
@@ -124,3 +125,12 @@ class DistKernel:
         self.kc.stop_channels()
         if self.km.has_kernel:
             self.km.shutdown_kernel(now=False)
+
+
+def kernel_for_module(*options: str) -> Iterator[DistKernel]:
+    """Body of a module-scoped fixture: one kernel with ``options``, shut down at the end."""
+    k = DistKernel(*options)
+    try:
+        yield k
+    finally:
+        k.shutdown()
