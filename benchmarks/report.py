@@ -140,28 +140,30 @@ def _without_gloo(v: dict) -> tuple[float, float]:
 
 
 def idle_targets(res: dict) -> list[tuple[str, str, bool | None]]:
-    """Issue 12: an idle rank wakes and spends CPU no more than a plain ipykernel. One wakeup over
-    the window is within noise, so that much above plain still counts as met; CPU likewise gets
-    0.1 ms/s (schedstat) or one 10 ms clock tick over the window (stat)."""
+    """Issue 12: an idle rank wakes and spends CPU no more than a plain ipykernel. Heartbeats and
+    polls land on either side of the window's edges, so up to 10 % (at least one wakeup over the
+    window; for CPU at least 0.1 ms/s with schedstat, one 10 ms tick without) above plain is
+    within noise and still counts as met."""
     w = _idle_worst(res)
     if w is None:
         return []
     label, rank, plain = w
     window = res["idle"]["window_s"]
+    wake_tol = max(1 / window, 0.1 * plain["wakeups_per_s"])
     fine = _ok(rank.get("sched_cpu_per_s", float("nan")))
-    slack = 1e-4 if fine else 1 / 100 / window
+    cpu_tol = max(1e-4 if fine else 1 / 100 / window, 0.1 * _cpu(plain))
     wake_rest, cpu_rest = _without_gloo(rank)
     return [("idle rank wakeups/s <= plain ipykernel's (issue 12)",
              f"{label} {rank['wakeups_per_s']:.1f} vs {plain['wakeups_per_s']:.1f}/s "
              f"({ratio(rank['wakeups_per_s'], plain['wakeups_per_s']):.2f}x)",
-             rank["wakeups_per_s"] <= plain["wakeups_per_s"] + 1 / window),
+             rank["wakeups_per_s"] <= plain["wakeups_per_s"] + wake_tol),
             ("idle rank CPU <= plain ipykernel's (issue 12)",
              f"{label} {_cpu(rank) * 1e3:.2f} vs {_cpu(plain) * 1e3:.2f} ms/s",
-             _cpu(rank) <= _cpu(plain) + slack),
+             _cpu(rank) <= _cpu(plain) + cpu_tol),
             (f"(information) the same, less torch's `{GLOO_LOOP}` thread",
              f"{wake_rest:.1f} vs {plain['wakeups_per_s']:.1f} wakeups/s; {num(cpu_rest * 1e3)} vs "
              f"{_cpu(plain) * 1e3:.2f} ms/s",
-             wake_rest <= plain["wakeups_per_s"] + 1 / window and not cpu_rest > _cpu(plain) + slack)]
+             wake_rest <= plain["wakeups_per_s"] + wake_tol and not cpu_rest > _cpu(plain) + cpu_tol)]
 
 
 def idle_markdown(res: dict, heading: str = IDLE_SECTION) -> str:

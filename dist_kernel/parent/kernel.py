@@ -61,7 +61,7 @@ class DistributedKernel(Kernel):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.output_policy = "all"
+        self.output_policy = KernelConfig.rich_output
         self.supervisor: RankSupervisor | None = None
         self.extra_argv: list[str] = []  # kernel arguments from the frontend, passed to every rank
         self._main_loop: asyncio.AbstractEventLoop | None = None

@@ -186,17 +186,6 @@ def set_empty_cache(on: bool) -> None:
     _state["empty_cache"] = bool(on)
 
 
-def set_option(name: str, on: bool) -> Done:
-    """``empty_cache`` or ``fastai``, switched at run time (validated by the protocol)."""
-    if name == "empty_cache":
-        set_empty_cache(on)
-    elif name == "fastai":
-        from dist_kernel.rank.fastai import state
-
-        state.set_enabled(on)
-    return Done(outcome=f"{name} {'on' if on else 'off'}")
-
-
 def status() -> RankStatus:
     """What ``%dist_status`` shows for this rank."""
     rss = None

@@ -158,10 +158,21 @@ def _join(req: protocol.Join) -> protocol.Joined:
     return protocol.Joined(device=device)
 
 
+def _set_option(req: protocol.SetOption) -> protocol.Done:
+    """``empty_cache`` or ``fastai``, switched at run time (the protocol validated the name)."""
+    if req.name == "empty_cache":
+        agent.set_empty_cache(req.on)
+    else:
+        from dist_kernel.rank.fastai import state
+
+        state.set_enabled(req.on)
+    return protocol.Done(outcome=f"{req.name} {'on' if req.on else 'off'}")
+
+
 _QUICK: dict[type, Callable[[Any], Any]] = {
     protocol.Where: lambda req: agent.where(),
     protocol.Status: lambda req: agent.status(),
-    protocol.SetOption: lambda req: agent.set_option(req.name, req.on),
+    protocol.SetOption: _set_option,
 }
 
 
