@@ -289,7 +289,11 @@ class DistributedKernel(Kernel):
         elif verdict.action == "teardown":
             self.log.warning("ranks %s stuck in collectives; tearing down the group", list(verdict.stuck))
             run.group_broken = True
-            await sup.teardown(verdict.teardown_on)
+            failed = await sup.teardown(verdict.teardown_on)
+            if failed:
+                self._notice(run, f"rank {format_ranks(failed)} did not confirm tearing the process group down; "
+                                  "ranks blocked with it may stay blocked: press stop, or restart the kernel.",
+                             key=("teardown",))
 
     def _group_broke(self, run: CellRun) -> bool:
         """Did a rank report that its process group broke during the cell?"""

@@ -226,11 +226,14 @@ class RankSupervisor:
         reply = await self.ask(rank, protocol.Where())
         return reply if isinstance(reply, protocol.Place) else None
 
-    async def teardown(self, ranks: list[int] | tuple[int, ...]) -> None:
-        """Destroy the group on these ranks, so that peers blocked in a collective with them raise."""
+    async def teardown(self, ranks: list[int] | tuple[int, ...]) -> list[int]:
+        """Break the group on these ranks, so that collectives blocked on it raise; the ranks
+        that did not confirm (the caller says so: their peers may stay blocked)."""
         pids = {r: rk.pid for r, rk in self.ranks.items() if rk.alive and rk.pid}
-        await asyncio.gather(*(self.ask(r, protocol.Teardown(peer_pids=[p for q, p in pids.items() if q != r]),
-                                        timeout=5.0) for r in ranks if r in pids))
+        asked = [r for r in ranks if r in pids]
+        replies = await asyncio.gather(*(self.ask(r, protocol.Teardown(peer_pids=[p for q, p in pids.items() if q != r]),
+                                                  timeout=5.0) for r in asked))
+        return [r for r, reply in zip(asked, replies, strict=True) if reply is None]
 
     async def set_option(self, name: str, on: bool) -> list[int]:
         """Switch a rank-side option on every live rank; the ranks that did not confirm."""
