@@ -1,10 +1,12 @@
-"""Command line: ``python -m dist_kernel {kernel,install,run}``.
+"""Command line: ``python -m dist_kernel {kernel,install,run,clean}``.
 
 - ``kernel -f FILE [options]``: the parent kernel (what kernel.json runs);
 - ``install [--user|--sys-prefix|--prefix P] [--name N] [--display-name T] [options]``:
   write a kernelspec bound to this interpreter;
 - ``run NOTEBOOK [--output OUT] [options]``: execute a notebook distributed, exit 1 naming
-  the cell and rank when a cell fails.
+  the cell and rank when a cell fails; each cell's output is shown as it arrives;
+- ``clean``: end the processes left by kernels of this user that have exited, and remove
+  their runtime directories (live kernels are never touched).
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--output", "-o", default=None, help="where to save the executed notebook")
     r.add_argument("--cell-timeout", type=float, default=None, help="seconds per cell (default: none)")
     cfgmod.add_arguments(r)
+
+    sub.add_parser("clean", help="end what exited kernels left behind (safe any time)",
+                   description="End the processes of this user's exited kernels (ranks, what they "
+                   "started, even after os.setsid) and remove their runtime directories. "
+                   "Live kernels and other users' processes are never touched.")
     return p
 
 
@@ -94,6 +101,19 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return run_notebook(ns.notebook, cfgmod.option_argv(ns), output=ns.output, cell_timeout=ns.cell_timeout)
 
 
+def cmd_clean(ns: argparse.Namespace) -> int:  # noqa: ARG001
+    from dist_kernel.parent.cleanup import sweep
+
+    report = sweep()
+    for p in report.killed:
+        print(f"ended {p.describe()}")
+    for d in report.removed:
+        print(f"removed {d}")
+    if not report.killed and not report.removed:
+        print("nothing to clean")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     ns, extra = parser.parse_known_args(argv)
@@ -101,4 +121,5 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     ns.extra_argv = extra
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
-    return {"kernel": cmd_kernel, "install": cmd_install, "run": cmd_run}[ns.command](ns)
+    commands = {"kernel": cmd_kernel, "install": cmd_install, "run": cmd_run, "clean": cmd_clean}
+    return commands[ns.command](ns)

@@ -1,20 +1,30 @@
-"""Whole-notebook runs through nbclient, without installing a kernelspec first."""
+"""Whole-notebook runs through nbclient, without installing a kernelspec first.
+
+``python -m dist_kernel run`` shows each cell's output live, as it arrives (already merged
+across ranks by the kernel): stream text as is, rich outputs as their text/plain, on stdout
+and stderr as the notebook has them; the cell's place and time go to stderr, so stdout holds
+only the notebook's output.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import time
 import uuid
 from pathlib import Path
+from typing import Any, TextIO
 
 import nbformat
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_core.paths import jupyter_runtime_dir
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 from dist_kernel.kernelspec import kernel_json
+from dist_kernel.parent.cleanup import SOCKET_PATH_MAX, make_runtime_dir, owner_pid
 from dist_kernel.parent.merge import strip_ansi
 
 
@@ -39,41 +49,99 @@ def kernel_manager(options: list[str]) -> KernelManager:
     km = KernelManager(kernel_name="distributed-python", kernel_spec_manager=spec_manager(options))
     km.transport = "ipc"  # nothing on TCP at all, and no warning about unencrypted TCP
     runtime = jupyter_runtime_dir()
+    name = f"dist-kernel-{uuid.uuid4().hex[:12]}-ipc"
+    if len(os.fsencode(os.path.join(runtime, name))) + len("-99999") > SOCKET_PATH_MAX:
+        # a unix socket path is limited to 107 bytes: a long home or JUPYTER_RUNTIME_DIR
+        # would fail with a bare "ZMQError: File name too long"
+        runtime = make_runtime_dir()  # ours (its name says so): run_notebook removes it
     os.makedirs(runtime, mode=0o700, exist_ok=True)
-    km.ip = os.path.join(runtime, f"dist-kernel-{uuid.uuid4().hex[:12]}-ipc")
+    km.ip = os.path.join(runtime, name)
     return km
 
 
-def _print_outputs(cell: nbformat.NotebookNode, index: int) -> None:
-    for out in cell.get("outputs", []):
-        if out.output_type == "stream":
-            (sys.stderr if out.name == "stderr" else sys.stdout).write(out.text)
-        elif out.output_type in ("execute_result", "display_data"):
-            text = out.get("data", {}).get("text/plain")
-            if text:
-                print(text)
+def _write(stream: TextIO, text: str) -> None:
+    stream.write(text)
+    stream.flush()  # a pipe is block-buffered: show it now, not when the buffer fills
+
+
+class _LiveClient(NotebookClient):
+    """A NotebookClient that shows every output as it arrives, between per-cell headers."""
+
+    def __init__(self, nb: nbformat.NotebookNode, **kw: Any) -> None:
+        super().__init__(nb, on_cell_execute=self._cell_starts, on_cell_executed=self._cell_ends, **kw)
+        self.current: int | None = None  # the index of the cell running now
+        self._t0 = 0.0
+        self._ends_with_newline = True
+
+    def _place(self, cell_index: int) -> str:
+        return f"cell {cell_index + 1}/{len(self.nb.cells)}"
+
+    def _rule(self, text: str) -> None:
+        sys.stdout.flush()
+        # the rule starts a line of its own even when the cell's last output did not end one
+        _write(sys.stderr, ("" if self._ends_with_newline else "\n") + f"── {text} ──\n")
+        self._ends_with_newline = True
+
+    def _cell_starts(self, cell: nbformat.NotebookNode, cell_index: int) -> None:  # noqa: ARG002
+        self.current, self._t0 = cell_index, time.monotonic()
+        self._rule(self._place(cell_index))
+
+    def _cell_ends(self, cell: nbformat.NotebookNode, cell_index: int,  # noqa: ARG002
+                   execute_reply: dict) -> None:
+        failed = execute_reply.get("content", {}).get("status") == "error"
+        self._rule(f"{self._place(cell_index)} {'failed after' if failed else 'done in'} "
+                   f"{time.monotonic() - self._t0:.1f}s")
+
+    def process_message(self, msg: dict, cell: nbformat.NotebookNode, cell_index: int) -> Any:
+        self._show(msg)
+        return super().process_message(msg, cell, cell_index)
+
+    def _show(self, msg: dict) -> None:
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            stream, text = (sys.stderr if content.get("name") == "stderr" else sys.stdout), content["text"]
+        elif kind in ("execute_result", "display_data"):
+            # update_display_data (progress bars redrawn in place) is left out: a terminal
+            # would get a new copy for every redraw
+            stream, text = sys.stdout, content.get("data", {}).get("text/plain", "")
+            text = text + "\n" if text else ""
+        elif kind == "error":
+            stream, text = sys.stderr, strip_ansi("\n".join(content.get("traceback", []))) + "\n"
+        else:
+            return
+        if text:
+            if stream is sys.stderr:
+                sys.stdout.flush()
+            _write(stream, text)
+            self._ends_with_newline = text.endswith("\n")
 
 
 def run_notebook(path: str, options: list[str], output: str | None = None,
                  cell_timeout: float | None = None) -> int:
-    """Execute ``path`` on the distributed kernel; 0 on success, 1 naming the failing cell."""
+    """Execute ``path`` on the distributed kernel, showing output live; 0 on success, 1
+    naming the failing cell (and the rank, in the error) when one fails."""
     nb = nbformat.read(path, as_version=4)
     km = kernel_manager(options)
-    client = NotebookClient(nb, km=km, timeout=cell_timeout,
-                            resources={"metadata": {"path": str(Path(path).resolve().parent)}},
-                            on_cell_executed=lambda cell, cell_index, **_: _print_outputs(cell, cell_index))
+    client = _LiveClient(nb, km=km, timeout=cell_timeout,
+                         resources={"metadata": {"path": str(Path(path).resolve().parent)}})
     status = 0
     try:
         client.execute()
-    except CellExecutionError as e:
+    except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
         status = 1
-        failed = next((i for i, c in enumerate(nb.cells)
-                       if any(o.get("output_type") == "error" for o in c.get("outputs", []))), None)
-        where = f"cell {failed + 1} of {len(nb.cells)}" if failed is not None else "a cell"
-        print(f"\n{path}: {where} failed: {e.ename}: {strip_ansi(e.evalue)}", file=sys.stderr)
+        where = f"cell {client.current + 1} of {len(nb.cells)}" if client.current is not None else "a cell"
+        if isinstance(e, CellExecutionError):
+            what = f"{e.ename}: {strip_ansi(e.evalue)}"
+        elif isinstance(e, CellTimeoutError):
+            what = f"it ran longer than its timeout ({cell_timeout}s)"
+        else:
+            what = "the kernel died"
+        print(f"\n{path}: {where} failed: {what}", file=sys.stderr)
     finally:
         if km.has_kernel:  # nbclient only shuts down kernels it created itself
             km.shutdown_kernel(now=False)
+        if owner_pid(os.path.dirname(km.ip)) == os.getpid():  # kernel_manager's short dir
+            shutil.rmtree(os.path.dirname(km.ip), ignore_errors=True)
         if output:
             nbformat.write(nb, output)
             print(f"wrote {output}", file=sys.stderr)

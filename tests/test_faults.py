@@ -10,17 +10,12 @@ import glob
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import psutil
 import pytest
 from harness import DistKernel
-
-from dist_kernel.parent.reaper import reap, write_pids
-from dist_kernel.parent.supervisor import sweep_stale_runtime_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -153,17 +148,7 @@ def test_killing_the_parent_ends_ranks_stuck_in_c_code_holding_the_gil():
     k.km.cleanup_resources()
 
 
-def test_a_runtime_dir_whose_kernel_is_gone_is_swept_at_the_next_start(tmp_path):
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    stale = tmp_path / f"dist_kernel-{gone.pid}-abc"
-    live = tmp_path / f"dist_kernel-{os.getpid()}-def"
-    other = tmp_path / f"dist_kernel-notapid-{gone.pid}"
-    for d in (stale, live, other):
-        d.mkdir()
-        (d / "rank0.json").write_text("{}")
-    assert sweep_stale_runtime_dirs(str(tmp_path)) == [str(stale)]
-    assert not stale.exists() and live.exists() and other.exists()
+# the reaper and the sweep of stale runtime dirs are tested in test_cleanup.py
 
 
 def test_ten_restarts_leave_nothing_behind():
@@ -286,23 +271,3 @@ def test_nothing_is_ever_unpickled():
     for path in Path(dist_kernel.__file__).parent.glob("*.py"):
         text = path.read_text()
         assert "import pickle" not in text and "pickle.load" not in text and "cloudpickle" not in text, path
-
-
-def test_the_reaper_kills_its_ranks_groups_but_never_a_process_that_reused_a_rank_pid(tmp_path):
-    # a "rank" (its command line names its connection file in the runtime dir) with a child in
-    # its process group, as a DataLoader worker is; and a stranger holding a pid in the list
-    rank = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
-                             "print(subprocess.Popen(['sleep', '60']).pid, flush=True); time.sleep(60)",
-                             str(tmp_path / "rank0.json")], stdout=subprocess.PIPE, text=True, start_new_session=True)
-    child = psutil.Process(int(rank.stdout.readline()))
-    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    try:
-        write_pids(str(tmp_path), [rank.pid, stranger.pid])
-        reap(str(tmp_path))
-        assert rank.wait(timeout=5) == -signal.SIGKILL
-        _, alive = psutil.wait_procs([child], timeout=5)
-        assert alive == [] and stranger.poll() is None and not tmp_path.exists()
-    finally:
-        for p in (rank, stranger):
-            p.kill()
-            p.wait()

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
@@ -73,6 +78,44 @@ def test_run_exits_nonzero_naming_the_cell_and_rank(tmp_path):
     assert proc.returncode == 1
     assert "cell 2 of 2 failed" in proc.stderr and "RuntimeError" in proc.stderr
     assert "fine" in proc.stdout
+
+
+def test_run_shows_a_cells_output_as_it_arrives_between_the_cells_place_and_time(tmp_path):
+    path = tmp_path / "live.ipynb"
+    nbformat.write(notebook("x = 1", "import time\nprint('first line', flush=True)\ntime.sleep(6)\n"
+                            "print('second line')\nrank"), path)
+    lines: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
+
+    def read(name: str, pipe) -> None:
+        for line in pipe:
+            lines[name].append((time.monotonic(), line))
+
+    proc = subprocess.Popen([sys.executable, "-m", "dist_kernel", "run", str(path), "--ranks", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        readers = [threading.Thread(target=read, args=(n, getattr(proc, n))) for n in lines]
+        for t in readers:
+            t.start()
+        assert proc.wait(timeout=120) == 0
+        for t in readers:
+            t.join(timeout=10)
+    finally:
+        if proc.poll() is None:  # failed: end the runner and the kernel it started
+            for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+        proc.wait()
+    out = {text: t for t, text in lines["stdout"]}
+    rules = [text for _, text in lines["stderr"] if text.startswith("──")]
+    # stdout holds the notebook's output only, merged across ranks as in the notebook
+    assert list(out) == ["first line\n", "second line\n", "[rank 0] 0\n", "[rank 1] 1\n"]
+    assert out["second line\n"] - out["first line\n"] > 4  # shown while the cell still ran
+    assert [re.sub(r"\d+\.\d", "T", r) for r in rules] == [
+        "── cell 1/2 ──\n", "── cell 1/2 done in Ts ──\n", "── cell 2/2 ──\n", "── cell 2/2 done in Ts ──\n"]
+    assert float(rules[3].split()[5][:-1]) >= 6
+    # the rules go to stderr: each before and after its cell's output
+    times = {r: t for t, r in lines["stderr"]}
+    assert times[rules[2]] <= out["first line\n"] and times[rules[3]] >= out["second line\n"]
 
 
 def test_run_rejects_a_bad_option_before_starting():

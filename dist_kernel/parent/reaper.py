@@ -5,9 +5,11 @@
 A SIGKILLed parent cannot stop its ranks or remove its runtime directory, and a rank stuck
 in C code that holds the GIL (a CUDA synchronisation, a C extension) cannot run a watchdog
 thread either. This process imports nothing heavy and waits on neither: it polls every 0.1 s,
-and when the parent is gone it SIGKILLs each rank's whole process group (DataLoader workers
-included; the pids are in ``RUNTIME_DIR/ranks.pids``) and removes the directory. It exits by
-itself once the directory is gone, which is how a normal shutdown ends it.
+and when the parent is gone it SIGKILLs every process of the kernel (see cleanup.py): each
+rank's session and process group (DataLoader workers; the rank pids are in
+``RUNTIME_DIR/ranks.pids``) and whatever a rank started that left its session (``os.setsid``,
+found by ``DIST_KERNEL_RUNTIME_DIR`` in its environment); then it removes the directory. It
+exits by itself once the directory is gone, which is how a normal shutdown ends it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import signal
 import sys
 import time
 
-PIDS_FILE = "ranks.pids"
+from dist_kernel.parent.cleanup import PIDS_FILE, kill_kernel_processes, read_pids
 
 
 def write_pids(runtime_dir: str, pids: list[int]) -> None:
@@ -30,42 +32,33 @@ def write_pids(runtime_dir: str, pids: list[int]) -> None:
     os.replace(path + ".tmp", path)
 
 
-def reap(runtime_dir: str) -> None:
-    """SIGKILL every recorded rank's process group, then remove the runtime directory."""
-    try:
-        with open(os.path.join(runtime_dir, PIDS_FILE)) as f:
-            pids = [int(p) for p in json.load(f)]
-    except (OSError, ValueError):
-        pids = []
-    for pid in pids:
-        if not _still_ours(pid, runtime_dir):
-            continue
-        for kill in (os.killpg, os.kill):  # each rank leads its own session
-            try:
-                kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+def reap(runtime_dir: str, rank_pids: list[int] | None = None) -> None:
+    """SIGKILL every process of the kernel, then remove its runtime directory."""
+    pids = read_pids(runtime_dir) or (rank_pids or [])
+    # the ranks died a moment ago (or are alive and verified): their sessions are theirs
+    kill_kernel_processes(runtime_dir, pids, trust_rank_sessions=True)
     shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
-def _still_ours(pid: int, runtime_dir: str) -> bool:
-    """False when ``pid`` now belongs to an unrelated process (a rank died long ago and its
-    pid was reused). A rank's command line names its connection file in ``runtime_dir``. If
-    the rank is gone, its process group may still hold its children; Linux never reuses a pid
-    that is still a group id, so killing that group is safe."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return runtime_dir.encode() in f.read()
-    except FileNotFoundError:
-        return True  # process gone (its group, if any, is the rank's), or no /proc on this system
-    except OSError:
-        return False
-
-
 def main(parent_pid: int, runtime_dir: str, interval: float = 0.1) -> None:
-    while os.path.isdir(runtime_dir):
+    """Reap when the parent is gone; exit when the directory is gone while the parent lives
+    (a normal shutdown). The parent is checked first, and the rank pids are remembered: a
+    sweep by another kernel may remove the directory the moment the parent dies."""
+    pids: list[int] = []
+    seen = None
+    while True:
         if os.getppid() != parent_pid:
-            reap(runtime_dir)
+            reap(runtime_dir, pids)
+            return
+        try:
+            stamp = os.stat(os.path.join(runtime_dir, PIDS_FILE)).st_mtime_ns
+        except OSError:
+            stamp = None
+        if stamp != seen:
+            pids, seen = read_pids(runtime_dir) or pids, stamp
+        if not os.path.isdir(runtime_dir):
+            if os.getppid() != parent_pid:  # the parent died since the check above
+                reap(runtime_dir, pids)
             return
         time.sleep(interval)
 
