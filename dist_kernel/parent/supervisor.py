@@ -17,7 +17,6 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from dist_kernel import protocol
 from dist_kernel.exceptions import RankDiedError, RankRequestError, RankStartError
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.channels import RankChannel
+from dist_kernel.parent.cleanup import kill_kernel_processes, make_runtime_dir, sweep
 from dist_kernel.parent.launcher import LocalLauncher, RankProcess, describe_exit, state_words
 from dist_kernel.parent.reaper import write_pids
 
@@ -59,36 +59,6 @@ class Rank:
         return self.process.log_tail(lines)
 
 
-RUNTIME_PREFIX = "dist_kernel-"
-
-
-def sweep_stale_runtime_dirs(base: str | None = None) -> list[str]:
-    """Remove runtime dirs left by kernels whose cleanup never ran.
-
-    When a parent dies, its reaper process removes the dir; only if the reaper was killed as
-    well (``kill -9`` of every process, the OOM killer) is one left. A dir is stale when the
-    pid in its name is gone.
-    """
-    removed = []
-    base = base or tempfile.gettempdir()
-    for name in os.listdir(base):
-        head, _, rest = name.partition("-")
-        pid = rest.split("-", 1)[0]
-        path = os.path.join(base, name)
-        if f"{head}-" != RUNTIME_PREFIX or not pid.isdigit() or not os.path.isdir(path):
-            continue
-        try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
-            os.kill(int(pid), 0)  # still alive (or someone else's): keep
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        except OSError:
-            continue
-    return removed
-
-
 class RankSupervisor:
     """Owns the rank processes of one kernel."""
 
@@ -103,9 +73,11 @@ class RankSupervisor:
         self.on_death = on_death
         self.on_stopped = on_stopped or (lambda rank, state: None)
         self.log = log or logging.getLogger("dist_kernel")
-        sweep_stale_runtime_dirs()
-        # 0700 by mkdtemp; the owner's pid in the name lets a later kernel sweep it up
-        self.runtime_dir = tempfile.mkdtemp(prefix=f"{RUNTIME_PREFIX}{os.getpid()}-")
+        # end what kernels that exited left behind (their reapers killed too), then make a
+        # private dir (0700) whose name (our pid) lets a later sweep judge it; short enough
+        # for the IPC socket paths even under a long TMPDIR
+        sweep()
+        self.runtime_dir = make_runtime_dir()
         self.launcher = LocalLauncher(config, self.runtime_dir, extra_argv)
         self.ranks: dict[int, Rank] = {}
         self.generation = 0
@@ -154,7 +126,7 @@ class RankSupervisor:
         process = await self.launcher.launch(rank)
         r = Rank(rank=rank, process=process)
         self.ranks[rank] = r
-        write_pids(self.runtime_dir, [p for p in (x.pid for x in self.ranks.values()) if p])
+        write_pids(self.runtime_dir, self._rank_pids())
         channel = RankChannel(rank, process.client(), self.log, self.on_unrouted, self.on_stdin)
         channel.start()
         r.channel = channel
@@ -316,6 +288,9 @@ class RankSupervisor:
             r.process.kill()
 
         await asyncio.gather(*(stop(r) for r in self.ranks.values()), return_exceptions=True)
+        # what the ranks started outside their process groups (os.setsid, daemons) too
+        await asyncio.get_running_loop().run_in_executor(None, kill_kernel_processes, self.runtime_dir,
+                                                         self._rank_pids())
         self._remove_runtime_dir()
 
     def kill_now(self) -> None:
@@ -327,7 +302,11 @@ class RankSupervisor:
         """Last-resort cleanup when the parent exits without a shutdown request."""
         self.closing = True
         self.kill_now()
+        kill_kernel_processes(self.runtime_dir, self._rank_pids())
         self._remove_runtime_dir()
+
+    def _rank_pids(self) -> list[int]:
+        return [p for p in (r.pid for r in self.ranks.values()) if p]
 
     def _remove_runtime_dir(self) -> None:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
