@@ -234,7 +234,7 @@ def _write(res: dict, out_dir: Path, stem: str, from_json: bool) -> int:
         if res.get("dist"):
             report.update_readme(HERE / "README.md", report.markdown(res, idle=False))
         if res.get("idle"):
-            report.update_readme(HERE / "README.md", report.idle_markdown(res), report.IDLE_MARKERS)
+            report.update_readme(HERE / "README.md", report.idle_block(res), report.IDLE_MARKERS)
     log(f"wrote {out_dir / (stem + '.md')}")
     print(md_text)
     return 0

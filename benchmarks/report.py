@@ -214,15 +214,24 @@ def idle_markdown(res: dict, heading: str = IDLE_SECTION) -> str:
     return "\n".join(lines)
 
 
+_RESULT = {True: "met", False: "**missed**", None: "n/a"}
+
+
+def idle_block(res: dict) -> str:
+    """Section 7 with its targets: what ``--only idle`` reports and the README's idle block holds."""
+    rows = [[t, m, _RESULT[ok]] for t, m, ok in idle_targets(res)]
+    return "\n".join([idle_markdown(res), "Targets (issue 12):", "",
+                      *_table(["target (issue 12)", "measured", "result"], rows)])
+
+
 def markdown(res: dict, idle: bool = True) -> str:
-    """The whole report; ``idle=False`` leaves out section 7 (the README has it in its own block)."""
+    """The whole report; ``idle=False`` leaves out section 7 and its targets (the README has them in
+    their own block)."""
     dist = res.get("dist", {})
     meta = res.get("meta", {})
     lines = ["# dist_kernel benchmarks", "", *_header(res)]
     if not dist:  # --only idle
-        rows = [[t, m, {True: "met", False: "**missed**", None: "n/a"}[ok]] for t, m, ok in idle_targets(res)]
-        return "\n".join(lines + [idle_markdown(res), TARGETS_SECTION, "",
-                                  *_table(["target (issue 12)", "measured", "result"], rows)])
+        return "\n".join(lines + [idle_block(res)])
 
     # 1. round trip
     lines += [SECTIONS[0], "", "`x = 1`, from sending execute_request to the kernel's idle status, in ms. "
@@ -343,11 +352,9 @@ def markdown(res: dict, idle: bool = True) -> str:
 
     # targets
     lines += [TARGETS_SECTION, ""]
-    rows = [[t, m, {True: "met", False: "**missed**", None: "n/a"}[ok]] for t, m, ok in targets(res)]
-    if idle:
-        rows += [[t, m, {True: "met", False: "**missed**", None: "n/a"}[ok]] for t, m, ok in idle_targets(res)]
-    lines += _table(["target (issue 6, 12)" if idle and res.get("idle") else "target (issue 6)", "measured",
-                     "result"], rows)
+    with_idle = idle and bool(res.get("idle"))
+    rows = [[t, m, _RESULT[ok]] for t, m, ok in targets(res) + (idle_targets(res) if with_idle else [])]
+    lines += _table(["target (issue 6, 12)" if with_idle else "target (issue 6)", "measured", "result"], rows)
     return "\n".join(lines)
 
 
