@@ -23,11 +23,12 @@ DEFAULT_OUT = HERE / "results"
 SIZES = {
     "quick": dict(ranks=[1, 2], main_ranks=[1, 2], startup_repeat_ranks=[], startup_repeats=1, rt_reps=20,
                   rt_block=10, lat_lines=10, thr_mb=0.05, train=dict(steps=5, warmup=2, batch=16, width=64, depth=2),
-                  peer_ranks=[2], ipp_reps=10, nbd_reps=0, idle_s=0.5),
+                  peer_ranks=[2], ipp_reps=10, nbd_reps=0, idle_s=0.5, idle=dict(ranks=2, settle=0.5, window=1.0)),
     "full": dict(ranks=[1, 2, 4, 8], main_ranks=[1, 2, 4], startup_repeat_ranks=[2, 4], startup_repeats=3,
                  rt_reps=200, rt_block=25, lat_lines=100, thr_mb=1.0,
                  train=dict(steps=40, warmup=5, batch=64, width=256, depth=3),
-                 peer_ranks=[1, 2, 4], ipp_reps=100, nbd_reps=20, idle_s=2.0),
+                 peer_ranks=[1, 2, 4], ipp_reps=100, nbd_reps=20, idle_s=2.0,
+                 idle=dict(ranks=2, settle=3.0, window=10.0)),
 }
 
 
@@ -103,6 +104,38 @@ def run_dist(n: int, plain: Kernel, cfg: dict, res: dict) -> None:
             out["startup"].append(dist_startup(n))
 
 
+def run_idle(plain: Kernel, cfg: dict, res: dict) -> None:
+    """Issue 12: a rank's idle CPU and wakeups per second beside a plain ipykernel's, sampled in
+    the same window; the parent's for information (it polls its ranks from its own side)."""
+    icfg = cfg["idle"]
+    n = icfg["ranks"]
+    log(f"idle: {n} rank(s) beside the plain ipykernel, {icfg['window']:.0f} s window")
+    k = Kernel("dist", n)
+    gloo = None
+    try:
+        # the same cells in both: torch imported (a rank has it for its group), one trivial cell
+        for kern in (plain, k):
+            kern.check(measure.FIRST_CELL)
+            kern.check("x = 1")
+        names = {**measure.thread_names(plain), **measure.thread_names(k), **measure.pyspy_thread_names(k.pid)}
+        ranks = measure.rank_pids(k)
+        gloo, gloo_names = measure.gloo_idle_process()
+        names.update(gloo_names)
+        time.sleep(icfg["settle"])  # let the replies, status messages and heartbeats of those cells pass
+        procs = {"plain ipykernel": plain.pid, **{f"rank {r}": pid for r, pid in sorted(ranks.items())},
+                 "dist_kernel parent": k.pid}
+        if gloo.poll() is None:
+            procs["python + gloo group, no kernel"] = gloo.pid
+        res["idle"] = {"ranks": n, **measure.idle_cost(procs, icfg["window"], names)}
+    finally:
+        if gloo is not None:
+            gloo.communicate(timeout=30)  # closes its stdin: it exits
+        k.shutdown()
+    p = res["idle"]["procs"]
+    log("idle: " + "; ".join(f"{label} {v['sched_cpu_per_s'] * 1e3:.2f} ms CPU/s, {v['wakeups_per_s']:.1f} wakeups/s"
+                             for label, v in p.items()))
+
+
 def run_peers(cfg: dict, res: dict) -> None:
     for name, fn, reps in (("ipyparallel", peers.ipyparallel, cfg["ipp_reps"]),
                            ("nbdistributed", peers.nbdistributed, cfg["nbd_reps"])):
@@ -144,45 +177,65 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", default=None, help="comma list of rank counts (default 1,2,4,8; quick 1,2)")
     p.add_argument("--no-peers", action="store_true", help="skip ipyparallel and nbdistributed")
     p.add_argument("--from-json", default=None, help="only redraw the table and chart from a results.json")
+    p.add_argument("--only", choices=["idle"], default=None,
+                   help="run one section alone: idle (issue 12; writes idle.md and idle.json, not results.*)")
+    p.add_argument("--idle-window", type=float, default=None, help="seconds the idle section samples (full 10, quick 1)")
     a = p.parse_args(argv)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    stem = a.only or "results"
 
     if a.from_json:
         res = json.loads(Path(a.from_json).read_text())
+        stem = "idle" if not res.get("dist") and "idle" in res else "results"
     else:
         mode = "quick" if a.quick else "full"
         cfg = dict(SIZES[mode])
         if a.ranks:
             cfg["ranks"] = [int(x) for x in a.ranks.split(",")]
             cfg["main_ranks"] = [n for n in cfg["ranks"] if n <= 4]
+        if a.idle_window:
+            cfg["idle"] = {**cfg["idle"], "window": a.idle_window}
         t0 = time.perf_counter()
         res = {"meta": {"mode": mode, "cpus": os.cpu_count(), "machine": platform.platform(),
                         "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions(),
-                        "sizes": {k: v for k, v in cfg.items()}},
+                        "sizes": {k: v for k, v in cfg.items()}, "only": a.only},
                "dist": {}}
-        log(f"mode {mode}: ranks {cfg['ranks']}; plain ipykernel baseline")
+        log(f"mode {mode}: ranks {cfg['ranks'] if not a.only else '-'}; plain ipykernel baseline")
         plain = Kernel("plain")
         try:
             plain.check(measure.FIRST_CELL)
-            res["plain"] = {"lat": measure.print_latency(plain, cfg["lat_lines"], mode="own")}
-            for n in cfg["ranks"]:
-                run_dist(n, plain, cfg, res)
-            res["plain"]["cost"] = measure.parent_cost(plain, 0.1)
-            res["plain"]["rt_all"] = measure.roundtrip(plain, cfg["rt_block"])
-            res["plain"]["rt_all"].pop("samples")
+            # first, while the plain kernel is fresh and no other kernel of this run is up
+            run_idle(plain, cfg, res)
+            if not a.only:
+                res["plain"] = {"lat": measure.print_latency(plain, cfg["lat_lines"], mode="own")}
+                for n in cfg["ranks"]:
+                    run_dist(n, plain, cfg, res)
+                res["plain"]["cost"] = measure.parent_cost(plain, 0.1)
+                res["plain"]["rt_all"] = measure.roundtrip(plain, cfg["rt_block"])
+                res["plain"]["rt_all"].pop("samples")
         finally:
             plain.shutdown()
-        if not a.no_peers:
+        if not a.only and not a.no_peers:
             run_peers(cfg, res)
         res["meta"]["duration_s"] = time.perf_counter() - t0
-    (out_dir / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    return _write(res, out_dir, stem, from_json=bool(a.from_json))
+
+
+def _write(res: dict, out_dir: Path, stem: str, from_json: bool) -> int:
+    """DIR/<stem>.json and .md (and the chart for a whole run); a full run into the default
+    folder also refreshes its blocks in benchmarks/README.md."""
+    (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
     md_text = report.markdown(res)
-    (out_dir / "results.md").write_text(md_text)
-    report.chart(res, out_dir / "results.png")
-    if not a.from_json and res["meta"]["mode"] == "full" and out_dir.resolve() == DEFAULT_OUT.resolve():
-        report.update_readme(HERE / "README.md", md_text)
-    log(f"wrote {out_dir / 'results.md'} and {out_dir / 'results.png'}")
+    (out_dir / f"{stem}.md").write_text(md_text)
+    if res.get("dist"):
+        report.chart(res, out_dir / f"{stem}.png")
+    if not from_json and res["meta"]["mode"] == "full" and out_dir.resolve() == DEFAULT_OUT.resolve():
+        if res.get("dist"):
+            report.update_readme(HERE / "README.md", report.markdown(res, idle=False))
+        if res.get("idle"):
+            report.update_readme(HERE / "README.md", report.idle_block(res), report.IDLE_MARKERS)
+    log(f"wrote {out_dir / (stem + '.md')}")
     print(md_text)
     return 0
 

@@ -63,7 +63,9 @@ def cmd_kernel(ns: argparse.Namespace) -> int:
         config = e
     from dist_kernel.parent.kernel import launch
 
-    launch(ns.connection_file, config)
+    # arguments the frontend adds (nbclient's --HistoryManager.hist_file=:memory:, say) are
+    # ipykernel options: the parent takes them, and so does every rank
+    launch(ns.connection_file, config, ns.extra_argv)
     return 0
 
 
@@ -113,7 +115,11 @@ def cmd_clean(ns: argparse.Namespace) -> int:  # noqa: ARG001
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = _parser().parse_args(argv)
+    parser = _parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra and ns.command != "kernel":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    ns.extra_argv = extra
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
     commands = {"kernel": cmd_kernel, "install": cmd_install, "run": cmd_run, "clean": cmd_clean}
     return commands[ns.command](ns)

@@ -21,3 +21,7 @@ class RankStartError(DistKernelError):
 
 class RankDiedError(DistKernelError):
     """A rank process exited while the kernel was using it."""
+
+
+class RankRequestError(DistKernelError):
+    """A rank answered a typed request of the parent with an error."""

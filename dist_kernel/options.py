@@ -18,19 +18,35 @@ from dist_kernel.exceptions import ConfigError
 
 BACKENDS = ("gloo", "nccl")
 
+#: each option's default, written once: the help text, :class:`KernelConfig` and
+#: :func:`resolve` read it from here (None: decided from the machine, see the help text)
+DEFAULTS: dict[str, object] = {
+    "ranks": None, "gpus": None, "backend": None, "timeout": 1800.0, "startup_timeout": 120.0,
+    "merge_window_ms": 100.0, "fastai": True, "seed": None, "hang_grace": 10.0, "empty_cache": True,
+    "rich_output": "all",
+}
+
+
+def _default(name: str) -> str:
+    value = DEFAULTS[name]
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 #: option name (``--name-with-dashes``) -> help text
 OPTIONS: dict[str, str] = {
     "ranks": "number of ranks (default: one per GPU, else 2)",
     "gpus": "comma list of physical GPU ids, rank i on the i-th",
     "backend": "gloo or nccl (default: nccl when GPUs are used)",
-    "timeout": "collective timeout in seconds (default 1800)",
-    "startup_timeout": "seconds for ranks to start and form the group (default 120)",
-    "merge_window_ms": "ms to wait for identical output from other ranks (default 100)",
-    "fastai": "on|off: fastai integration inside the ranks (default on)",
+    "timeout": f"collective timeout in seconds (default {_default('timeout')})",
+    "startup_timeout": f"seconds for ranks to start and form the group (default {_default('startup_timeout')})",
+    "merge_window_ms": f"ms to wait for identical output from other ranks (default {_default('merge_window_ms')})",
+    "fastai": f"on|off: fastai integration inside the ranks (default {_default('fastai')})",
     "seed": "random seed shared by every rank (default: random)",
-    "hang_grace": "seconds a rank may wait in a collective after the others finished (default 10)",
-    "empty_cache": "on|off: gc + torch.cuda.empty_cache() after each cell (default on)",
-    "rich_output": "all|rank0: rich output from every rank (merged) or from rank 0 only",
+    "hang_grace": f"seconds a rank may wait in a collective the others never entered (default {_default('hang_grace')})",
+    "empty_cache": f"on|off: gc + torch.cuda.empty_cache() after each cell (default {_default('empty_cache')})",
+    "rich_output": f"all|rank0: rich output from every rank (merged) or from rank 0 only (default {_default('rich_output')})",
 }
 
 #: option name -> environment variable that overrides it
@@ -51,14 +67,14 @@ class KernelConfig:
     world_size: int
     backend: str
     gpus: tuple[int, ...] = ()  # physical GPU ids; empty on CPU
-    timeout: float = 1800.0
-    startup_timeout: float = 120.0
-    merge_window: float = 0.1
-    fastai: bool = True
+    timeout: float = DEFAULTS["timeout"]  # type: ignore[assignment]
+    startup_timeout: float = DEFAULTS["startup_timeout"]  # type: ignore[assignment]
+    merge_window: float = DEFAULTS["merge_window_ms"] / 1000  # type: ignore[operator]
+    fastai: bool = DEFAULTS["fastai"]  # type: ignore[assignment]
     seed: int | None = None  # None: the parent draws one per start, shared by every rank
-    hang_grace: float = 10.0
-    empty_cache: bool = True
-    rich_output: str = "all"
+    hang_grace: float = DEFAULTS["hang_grace"]  # type: ignore[assignment]
+    empty_cache: bool = DEFAULTS["empty_cache"]  # type: ignore[assignment]
+    rich_output: str = DEFAULTS["rich_output"]  # type: ignore[assignment]
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -188,22 +204,23 @@ def resolve(ns: argparse.Namespace, environ: dict[str, str] | None = None,
     if gpus and world > len(gpus):
         warnings.append(f"{world} ranks share {len(gpus)} GPU(s) over gloo.")
 
-    timeout = _float("timeout", raw["timeout"]) if raw["timeout"] else 1800.0
-    startup = _float("startup_timeout", raw["startup_timeout"]) if raw["startup_timeout"] else 120.0
-    window = _float("merge_window_ms", raw["merge_window_ms"]) / 1000 if raw["merge_window_ms"] else 0.1
+    timeout = _float("timeout", raw["timeout"]) if raw["timeout"] else KernelConfig.timeout
+    startup = _float("startup_timeout", raw["startup_timeout"]) if raw["startup_timeout"] else KernelConfig.startup_timeout
+    window = _float("merge_window_ms", raw["merge_window_ms"]) / 1000 if raw["merge_window_ms"] else KernelConfig.merge_window
     seed = _int("seed", str(raw["seed"]), 0) if raw["seed"] not in (None, "") else None
-    grace = _float("hang_grace", raw["hang_grace"]) if raw["hang_grace"] else 10.0
-    output = str(raw["rich_output"] or "all").lower()
+    grace = _float("hang_grace", raw["hang_grace"]) if raw["hang_grace"] else KernelConfig.hang_grace
+    output = str(raw["rich_output"] or KernelConfig.rich_output).lower()
     if output not in OUTPUT_POLICIES:
         raise ConfigError(f"--rich-output {raw['rich_output']!r} must be one of {', '.join(OUTPUT_POLICIES)}. {FIX_HINT}")
     return KernelConfig(world_size=world, backend=backend, gpus=tuple(gpus), timeout=timeout,
                         startup_timeout=startup, merge_window=window,
-                        fastai=_switch("fastai", raw["fastai"]), seed=seed, hang_grace=grace,
-                        empty_cache=_switch("empty_cache", raw["empty_cache"]), rich_output=output,
+                        fastai=_switch("fastai", raw["fastai"], KernelConfig.fastai), seed=seed, hang_grace=grace,
+                        empty_cache=_switch("empty_cache", raw["empty_cache"], KernelConfig.empty_cache),
+                        rich_output=output,
                         warnings=tuple(warnings))
 
 
-def _switch(name: str, raw: str | None, default: bool = True) -> bool:
+def _switch(name: str, raw: str | None, default: bool) -> bool:
     if raw in (None, ""):
         return default
     value = str(raw).lower()

@@ -10,23 +10,19 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import DistKernel  # noqa: E402
+from harness import kernel_for_module  # noqa: E402
 
 ARTIFACTS = Path(os.environ.get("DIST_KERNEL_TEST_ARTIFACTS", Path(__file__).parent.parent / "test-artifacts"))
 
 
 @pytest.fixture(scope="module")
 def kernel2():
-    k = DistKernel("--ranks", "2")
-    yield k
-    k.shutdown()
+    yield from kernel_for_module("--ranks", "2")
 
 
 @pytest.fixture(scope="module")
 def kernel3():
-    k = DistKernel("--ranks", "3")
-    yield k
-    k.shutdown()
+    yield from kernel_for_module("--ranks", "3")
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import psutil
@@ -70,6 +71,14 @@ def visible(outputs: list[tuple[str, dict]]) -> str:
     return "".join(o[2] if o[0] == "stream" else o[2] + "\n" for o in shown)
 
 
+def is_rank_process(proc: psutil.Process) -> bool:
+    """Is this process one of a kernel's ranks (``python -m dist_kernel.rank``)?"""
+    try:
+        return "dist_kernel.rank" in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
 class DistKernel:
     """A started kernel with a blocking client."""
 
@@ -86,7 +95,7 @@ class DistKernel:
         return self.km.provisioner.process.pid
 
     def rank_pids(self) -> list[int]:
-        return [p.pid for p in psutil.Process(self.pid).children() if "ipykernel_launcher" in " ".join(p.cmdline())]
+        return [p.pid for p in psutil.Process(self.pid).children() if is_rank_process(p)]
 
     def execute(self, code: str, timeout: float = 120, **kw) -> Result:
         kw.setdefault("allow_stdin", False)  # as nbclient; tests that answer input() pass True
@@ -116,3 +125,12 @@ class DistKernel:
         self.kc.stop_channels()
         if self.km.has_kernel:
             self.km.shutdown_kernel(now=False)
+
+
+def kernel_for_module(*options: str) -> Iterator[DistKernel]:
+    """Body of a module-scoped fixture: one kernel with ``options``, shut down at the end."""
+    k = DistKernel(*options)
+    try:
+        yield k
+    finally:
+        k.shutdown()

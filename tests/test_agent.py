@@ -59,4 +59,4 @@ def test_a_rank_that_never_used_cuda_does_not_touch_it(cuda):
 
 def test_where_reports_the_main_thread_outside_any_collective():
     info = rank_agent.where()
-    assert info["collective"] is None and info["world"] is False
+    assert info.collective is None and info.group_ranks == [] and not info.busy

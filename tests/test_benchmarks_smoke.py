@@ -43,3 +43,40 @@ def test_quick_benchmark_writes_table_and_chart(tmp_path: Path) -> None:
                     "cost_start", "cost_end"):
             assert key in d, f"{key} missing at {n} ranks"
         assert "error" not in d["thr"], d["thr"]
+    _check_idle(res)
+
+
+def _check_idle(res: dict) -> None:
+    """Section 7's numbers have the right shape: every process, totals and per-thread rows."""
+    idle = res["idle"]
+    assert idle["window_s"] > 0
+    procs = idle["procs"]
+    assert {"plain ipykernel", "rank 0", "rank 1", "dist_kernel parent"} <= set(procs), list(procs)
+    for label, v in procs.items():
+        assert v["pid"] > 0 and v["threads"], label
+        assert v["cpu_per_s"] >= 0 and v["wakeups_per_s"] >= 0, (label, v)
+        for t in v["threads"]:
+            assert {"tid", "comm", "name", "cpu_per_s", "sched_cpu_per_s", "wakeups_per_s"} <= set(t), t
+    # the rank and the plain kernel ran the cell that names their Python threads
+    assert any(t["name"] == "MainThread" for t in procs["rank 0"]["threads"])
+    assert any(t["name"] == "MainThread" for t in procs["plain ipykernel"]["threads"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_idle_only_writes_its_section(tmp_path: Path) -> None:
+    out = tmp_path / "idle"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "idle", "--idle-window", "0.5",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.report import IDLE_SECTION
+
+    md = (out / "idle.md").read_text()
+    assert IDLE_SECTION in md and "| rank 0 |" in md and "idle rank wakeups/s <= plain" in md
+    assert not (out / "results.md").exists()  # --only leaves a whole run's files alone
+    res = json.loads((out / "idle.json").read_text())
+    assert res["meta"]["only"] == "idle" and not res["dist"]
+    _check_idle(res)

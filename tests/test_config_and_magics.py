@@ -96,3 +96,9 @@ class TestConfig:
 
     def test_option_argv_round_trips(self):
         assert config.option_argv(ns(ranks=3, backend="gloo")) == ["--ranks", "3", "--backend", "gloo"]
+
+
+def test_a_huge_rank_range_is_refused_without_building_it():
+    # building the range first would need terabytes: this would never return
+    with pytest.raises(RankSpecError, match="rank 2-100000000000 does not exist"):
+        parse_rank_spec("0-100000000000", 2)

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import jupyter_kernel_test as jkt
 import psutil
 import pytest
+from harness import is_rank_process
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +109,7 @@ def _rank_processes(parent_pid: int) -> list[psutil.Process]:
         children = psutil.Process(parent_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    return [p for p in children if "ipykernel_launcher" in " ".join(p.cmdline())]
+    return [p for p in children if is_rank_process(p)]
 
 
 def _assert_gone(procs: list[psutil.Process], timeout: float = 15) -> None:

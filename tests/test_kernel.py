@@ -10,7 +10,7 @@ import re
 
 import psutil
 import pytest
-from harness import DistKernel
+from harness import DistKernel, visible
 
 pytestmark = pytest.mark.slow
 
@@ -58,14 +58,15 @@ def test_results_collapse_when_equal_and_are_labelled_when_not(kernel2):
     assert {o.content["execution_count"] for o in results} == {differ.reply["execution_count"]}
 
 
-def test_display_ids_are_namespaced_per_rank(kernel2):
+def test_a_display_id_is_one_display_showing_each_ranks_value(kernel2):
     res = kernel2.execute("from IPython.display import display\nh = display(f'bar {rank}', display_id='p')\n"
                           "h.update(f'bar {rank} done')")
-    ids = {o.content["transient"]["display_id"] for o in res.outputs if "transient" in o.content}
-    assert ids == {"p@rank0", "p@rank1"}
+    assert {o.content["transient"]["display_id"] for o in res.outputs if "transient" in o.content} == {"p"}
+    assert len(res.of_type("display_data")) == 1
+    assert visible([(o.msg_type, o.content) for o in res.outputs]).splitlines() == [
+        "[rank 0] 'bar 0 done'", "[rank 1] 'bar 1 done'"]
 
 
-# ------------------------------------------------------------------ errors
 def test_the_same_error_on_every_rank_is_one_error_output(kernel2):
     before = kernel2.execute("1").reply["execution_count"]
     res = kernel2.execute("1/0")

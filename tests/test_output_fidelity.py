@@ -13,7 +13,7 @@ import re
 import time
 
 import pytest
-from harness import DistKernel, Result, visible
+from harness import DistKernel, Result, kernel_for_module, visible
 
 from dist_kernel.parent.throttle import BURST, MAX_MESSAGE, MSG_BURST, RATE, TAIL_BYTES
 
@@ -22,25 +22,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def k1():
-    k = DistKernel("--ranks", "1")
-    yield k
-    k.shutdown()
+    yield from kernel_for_module("--ranks", "1")
 
 
 @pytest.fixture(scope="module")
 def k2():
     # a wide merge window: identical output from two busy ranks on a loaded machine still meets
-    k = DistKernel("--ranks", "2", "--merge-window-ms", "1000")
-    yield k
-    k.shutdown()
-
-
-@pytest.fixture(scope="module")
-def k2_default():
-    # the default merge window (100 ms)
-    k = DistKernel("--ranks", "2")
-    yield k
-    k.shutdown()
+    yield from kernel_for_module("--ranks", "2", "--merge-window-ms", "1000")
 
 
 def shown(res: Result) -> str:
@@ -107,8 +95,8 @@ def test_updates_that_differ_between_ranks_show_each_ranks_value_in_the_one_disp
 
 
 # ---------------------------------------------------------- 12: large identical results
-def test_a_large_identical_result_is_sent_once(k2_default):
-    res = k2_default.execute("class Big:\n    def __repr__(self):\n        return 'x' * 50_000_000\nBig()", timeout=300)
+def test_a_large_identical_result_is_sent_once(kernel2):
+    res = kernel2.execute("class Big:\n    def __repr__(self):\n        return 'x' * 50_000_000\nBig()", timeout=300)
     results = res.of_type("execute_result")
     assert len(results) == 1 and results[0].text == "x" * 50_000_000  # unlabelled, once
 
@@ -134,9 +122,9 @@ def test_a_shown_traceback_is_an_ordinary_output_and_the_cells_own_error_comes_o
 
 
 # -------------------------------------------------------------- 16, 17: the flood cap
-def test_a_huge_line_without_a_newline_is_never_sent_in_one_message_nor_repeated(k2_default):
+def test_a_huge_line_without_a_newline_is_never_sent_in_one_message_nor_repeated(kernel2):
     quiet()
-    res = k2_default.execute("print('y' * 10_000_000, end='')")
+    res = kernel2.execute("print('y' * 10_000_000, end='')")
     streams = res.of_type("stream")
     assert max(len(o.content["text"].encode()) for o in streams) <= MAX_MESSAGE
     assert sum(len(o.content["text"].encode()) for o in streams) <= BURST + 2 * TAIL_BYTES + 4096
@@ -145,15 +133,15 @@ def test_a_huge_line_without_a_newline_is_never_sent_in_one_message_nor_repeated
         assert f.read().count("y") + res.stream().count("y") >= 10_000_000  # the full text is kept
 
 
-def test_output_printed_after_its_cell_ended_is_held_to_the_same_cap(k2_default):
+def test_output_printed_after_its_cell_ended_is_held_to_the_same_cap(kernel2):
     quiet()
-    res = k2_default.execute(
+    res = kernel2.execute(
         "import threading, time\n"
         "def spam():\n    time.sleep(0.5)\n    for _ in range(20_000):\n        print('x' * 999)\n"
         "threading.Thread(target=spam).start()")
     assert res.status == "ok"
     t0 = time.monotonic()
-    msgs = read_iopub(k2_default, 5.0)
+    msgs = read_iopub(kernel2, 5.0)
     streams = [(t, c["text"]) for t, mt, c in msgs if mt == "stream"]
     sizes = [len(text.encode()) for _, text in streams]
     assert max(sizes) <= MAX_MESSAGE

@@ -12,6 +12,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from dist_kernel.parent import fault_policy
 from dist_kernel.parent.merge import CellMerger, DisplayRegistry, error_content, merge_errors
 from dist_kernel.parent.throttle import OutputBudget, StreamThrottle
 
@@ -22,11 +23,17 @@ TICK = 0.05
 #: ready output is published at once, but at most once per MIN_FLUSH (keeps the message rate low)
 MIN_FLUSH = 0.01
 
+#: comm messages (widgets) from the ranks go straight to the frontend, in order with outputs
+COMM_TYPES = {"comm_open", "comm_msg", "comm_close"}
+#: the merger's name for a comm message it keeps in order with the outputs
+IN_ORDER = "dist_kernel.in_order"
+#: a rank whose reply came but whose ``idle`` did not, and that sent nothing for this long,
+#: is finished all the same: a lost message never leaves a cell waiting forever
+IDLE_LOST_AFTER = 3.0
+
 Publish = Callable[[str, dict], None]
-#: called when some ranks finished and others are still busy past the grace period
-OnStall = Callable[["CellRun", list[int], list[int]], Awaitable[None]]
-#: after a rank errors or an interrupt, how long the others may stay busy before a look
-FAST_GRACE = 1.0
+#: asks the fault policy about the busy ranks (the kernel does the I/O: where, teardown, ...)
+OnLook = Callable[["CellRun"], Awaitable[None]]
 
 
 class CellRun:
@@ -36,8 +43,9 @@ class CellRun:
 
     def __init__(self, ranks: Sequence[int], publish: Publish, execution_count: int,
                  window: float, world: Sequence[int] | None = None, clock: Callable[[], float] = time.monotonic,
-                 on_stall: OnStall | None = None, hang_grace: float = 10.0,
-                 rich_from: int | None = None, budget: OutputBudget | None = None,
+                 on_look: OnLook | None = None, hang_grace: float = 10.0,
+                 rich_from: int | None = None, on_comm: Callable[[int, dict], None] | None = None,
+                 dead: Callable[[], Sequence[int]] = tuple, budget: OutputBudget | None = None,
                  displays: DisplayRegistry | None = None) -> None:
         self.ranks = tuple(ranks)
         # budget and displays: the kernel's, so the output cap and display ids span its lifetime
@@ -49,14 +57,23 @@ class CellRun:
         self.clock = clock
         self.merger = CellMerger(self.ranks, window=window, rich_from=rich_from,
                                  displays=displays if displays is not None else DisplayRegistry())
-        self.on_stall = on_stall
+        self.on_look = on_look
+        self.on_comm = on_comm
+        self.dead = dead
         self.hang_grace = hang_grace
+        self.judge = fault_policy.Judge()
         self.finished_at: dict[int, float] = {}
         self.interrupted_at: float | None = None
+        self.signalled: dict[int, float] = {}  # rank -> when it was last sent SIGINT
         self.group_broken = False  # the process group was torn down during this cell
         self.notes: list[str] = []  # lines appended to the cell's error, if any
-        self._last_look = 0.0
+        self.child_ids: dict[int, str] = {}  # rank -> the msg_id of the request it runs
+        self.reply_metadata: dict[int, dict] = {}  # rank -> its execute_reply's metadata
+        self.noticed: set[tuple] = set()  # kernel notices already shown in this cell
+        self._last_look: float | None = None
         self._looking: asyncio.Task | None = None
+        self._replied_at: dict[int, float] = {}
+        self._heard: dict[int, float] = {}  # rank -> when it last sent anything for this cell
         self.replies: dict[int, dict] = {}
         self.idle: set[int] = set()
         self.finished: set[int] = set()
@@ -68,6 +85,15 @@ class CellRun:
     def on_iopub(self, rank: int, msg: dict) -> None:
         msg_type = msg["header"]["msg_type"]
         content = msg["content"]
+        self._heard[rank] = self.clock()
+        if msg_type in COMM_TYPES:
+            if _capture_change(msg_type, content) and not self.closed:
+                # an Output widget starts or stops capturing: what the rank printed before
+                # must reach the frontend before the widget's state changes
+                self.merger.add_in_order(rank, IN_ORDER, {"rank": rank, "msg": msg}, self.clock())
+            elif self.on_comm is not None:
+                self.on_comm(rank, msg)
+            return
         if msg_type == "status":
             if content.get("execution_state") == "idle":
                 self.idle.add(rank)
@@ -87,8 +113,8 @@ class CellRun:
 
     def on_reply(self, rank: int, content: dict) -> None:
         self.replies[rank] = content
-        if content.get("status") == "error" and rank not in self.merger.errors:
-            self.merger.errors[rank] = {k: content.get(k) for k in ("ename", "evalue", "traceback")}
+        self._replied_at[rank] = self.clock()
+        self.merger.rank_replied(rank, content, self.clock())
         self._check(rank)
 
     def on_rank_lost(self, rank: int, ename: str, evalue: str, hint: str = "") -> None:
@@ -110,14 +136,19 @@ class CellRun:
                 self._done.set()
 
     # ------------------------------------------------------------- driving
-    def flush(self) -> None:
+    def flush(self, force: bool = False) -> None:
+        """Publish what is due; ``force``: everything held, twins or not."""
         self._last_flush = self.clock()
-        self.merger.poll(self._last_flush)
+        self.merger.poll(self._last_flush + (self.merger.window + 1.0 if force else 0.0))
         self._publish_merged()
 
     def _publish_merged(self) -> None:
         for msg_type, content in self.merger.take():
-            self.publish(msg_type, content)
+            if msg_type == IN_ORDER:
+                if self.on_comm is not None:
+                    self.on_comm(content["rank"], content["msg"])
+            else:
+                self.publish(msg_type, content)
 
     async def wait(self) -> dict | None:
         """Relay output until every rank is finished; returns the merged error or None."""
@@ -127,6 +158,7 @@ class CellRun:
             except asyncio.TimeoutError:
                 pass
             self.flush()
+            self._idle_lost()
             self._maybe_look()
         if self._looking is not None and not self._looking.done():
             # a late look must not tear down the group that is about to be re-formed
@@ -143,25 +175,53 @@ class CellRun:
         """Record why a rank is being unblocked; this becomes its error for the cell."""
         self.merger.errors[rank] = error_content(ename, evalue, lines)
 
+    def _idle_lost(self) -> None:
+        """A rank that replied and then went quiet is done, even if its ``idle`` was lost."""
+        now = self.clock()
+        for rank in self.busy_ranks:
+            if rank in self.replies and rank not in self.idle:
+                quiet_since = max(self._replied_at.get(rank, now), self._heard.get(rank, 0.0))
+                if now - quiet_since >= IDLE_LOST_AFTER or self.interrupted_at is not None:
+                    self.idle.add(rank)
+                    self._check(rank)
+
+    def state(self) -> fault_policy.Cell:
+        """This run, as the fault policy sees it."""
+        errored = any(self.replies.get(r, {}).get("status") == "error" for r in self.finished)
+        return fault_policy.Cell(
+            ranks=self.ranks, world=self.world, busy=tuple(self.busy_ranks), dead=tuple(self.dead()),
+            started=self.started, first_finished=min(self.finished_at.values(), default=None),
+            errored=errored, interrupted_at=self.interrupted_at, hang_grace=self.hang_grace,
+            torn_down=self.group_broken)
+
     def _maybe_look(self) -> None:
-        """Some ranks idle (finished, or outside a %%rank cell), others busy past the grace
-        period: ask ``on_stall`` to look at where the busy ones are."""
-        busy = self.busy_ranks
-        idle = [r for r in self.world if r not in busy]
-        if not busy or not idle or self.on_stall is None or self.group_broken:
-            return  # after a teardown the blocked ranks raise by themselves
-        if self._looking is not None and not self._looking.done():
+        """Ask ``on_look`` to look at the busy ranks when the fault policy says it is time."""
+        if self.on_look is None or (self._looking is not None and not self._looking.done()):
             return
         now = self.clock()
-        errored = any(self.replies.get(r, {}).get("status") == "error" for r in self.finished)
-        grace = FAST_GRACE if (errored or self.interrupted_at is not None) else self.hang_grace
-        outsiders = len(self.world) > len(self.ranks)
-        since = self.started if outsiders else min(self.finished_at.values())
-        since = max(since, self.interrupted_at or 0.0)
-        if now - since >= grace and now - self._last_look >= grace:
+        if fault_policy.look_due(self.state(), now, self._last_look):
             self._last_look = now
-            self._looking = asyncio.ensure_future(self.on_stall(self, busy, idle))
+            self._looking = asyncio.ensure_future(self.on_look(self))
+
+    def interrupt(self) -> list[int]:
+        """The stop button: the busy ranks to send SIGINT now. A rank is signalled at most
+        once a second: a storm of interrupts must not hit a rank that is already unwinding."""
+        now = self.clock()
+        if self.interrupted_at is None:
+            self.interrupted_at = now
+        due = [r for r in self.busy_ranks if now - self.signalled.get(r, -1e9) >= 1.0]
+        for r in due:
+            self.signalled[r] = now
+        self._last_look = None  # look again soon: ranks blocked in a collective need a teardown
+        return due
 
     @property
     def busy_ranks(self) -> list[int]:
         return [r for r in self.ranks if r not in self.finished]
+
+
+def _capture_change(msg_type: str, content: dict) -> bool:
+    """Does this comm message start or stop an ipywidgets ``Output`` capture?"""
+    data = content.get("data") or {}
+    state = data.get("state") if isinstance(data, dict) else None
+    return msg_type == "comm_msg" and isinstance(state, dict) and "msg_id" in state

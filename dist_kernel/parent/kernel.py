@@ -9,37 +9,33 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import signal
 import sys
 import time
-from collections import OrderedDict
+from collections import deque
 from typing import Any
 
-from ipykernel.kernelapp import IPKernelApp
 from ipykernel.kernelbase import Kernel
 from traitlets import Any as AnyTrait
 
 from dist_kernel import __version__
 from dist_kernel.exceptions import ConfigError, RankDiedError, RankSpecError
+from dist_kernel.iopub import UnboundedIOPubApp
 from dist_kernel.options import KernelConfig
+from dist_kernel.parent import fault_policy
+from dist_kernel.parent.comms import CommRouter
 from dist_kernel.parent.execution import OUTPUT_TYPES, CellRun
+from dist_kernel.parent.launcher import state_words
 from dist_kernel.parent.magics import format_ranks, plan_cell
-from dist_kernel.parent.merge import error_content, label_lines
+from dist_kernel.parent.merge import DisplayRegistry, error_content, label_lines
 from dist_kernel.parent.status import status_bundle
 from dist_kernel.parent.stdin import InputBroker
 from dist_kernel.parent.supervisor import RankSupervisor
+from dist_kernel.parent.throttle import OutputBudget
 
-#: how many finished cells' child msg_ids are remembered, to place late output
+#: how many finished requests' listeners are kept, to place late output (background threads)
 _RECENT = 64
-
-
-def _group_failure(error: dict | None) -> bool:
-    """Does this error mean the process group itself broke (so it must be re-formed)?"""
-    if not error:
-        return False
-    text = f"{error.get('ename')} {error.get('evalue')} " + " ".join(error.get("traceback", [])[-3:])
-    return any(m in text for m in ("DistBackendError", "DistNetworkError", "Connection closed by peer",
-                                   "CollectiveHangError", "Connection reset by peer"))
 
 
 class DistributedKernel(Kernel):
@@ -65,14 +61,23 @@ class DistributedKernel(Kernel):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.output_policy = "all"
+        self.output_policy = KernelConfig.rich_output
         self.supervisor: RankSupervisor | None = None
-        self._runs: OrderedDict[str, tuple[CellRun, int]] = OrderedDict()  # child msg_id -> (run, rank)
+        self.extra_argv: list[str] = []  # kernel arguments from the frontend, passed to every rank
         self._main_loop: asyncio.AbstractEventLoop | None = None
         self._current: CellRun | None = None
         self._stdin: InputBroker | None = None
-        self._comm_owner: dict[str, int] = {}  # comm_id -> the rank that holds the comm
-        self._forwarded: OrderedDict[str, dict] = OrderedDict()  # msg_id sent to a rank -> frontend message
+        self.comms = CommRouter()
+        self._output_budget = OutputBudget()  # replaced in start(): spill files in the runtime dir
+        self._displays = DisplayRegistry()  # display ids live across cells
+        self._listening: deque[tuple[int, str]] = deque()  # (rank, msg_id) of recent requests
+        self._start_interrupted = asyncio.Event()  # the stop button while the ranks start
+        self._left_running: set[int] = set()  # ranks whose cell was given up on (abandoned)
+        self._exiting = False
+        self._reform_pending = False  # a re-formation waits for a rank that was left running
+        # every request gets a reply, even when its handler raises (a plain handler would not)
+        self.shell_handlers = {t: self._always_reply(t, h) for t, h in self.shell_handlers.items()}
+        self.control_handlers = {t: self._always_reply(t, h) for t, h in self.control_handlers.items()}
 
     # ---------------------------------------------------------------- info
     @property
@@ -95,24 +100,53 @@ class DistributedKernel(Kernel):
         cfg = self.dist_config
         if isinstance(cfg, KernelConfig):
             self.output_policy = cfg.rich_output
-            self.supervisor = RankSupervisor(cfg, self._on_rank_iopub, self._on_rank_death, log=self.log,
-                                             on_stdin=self._on_rank_stdin)
+            self.supervisor = RankSupervisor(cfg, self._on_unrouted, self._on_rank_death, log=self.log,
+                                             on_stdin=self._on_rank_stdin, on_stopped=self._on_rank_stopped,
+                                             extra_argv=self.extra_argv)
             atexit.register(self.supervisor.cleanup_sync)
+            # one output budget for the kernel's life (late output of background threads
+            # counts too); spill files live in the private runtime dir, removed at shutdown
+            self._output_budget = OutputBudget(spill_dir=self.supervisor.runtime_dir)
             self.io_loop.add_callback(self.supervisor.start)
+
+    def _always_reply(self, msg_type: str, handler: Any) -> Any:
+        """Wrap a handler so that a request it fails on still gets an error reply."""
+        async def handle(stream: Any, ident: Any, parent: dict) -> None:
+            try:
+                result = handler(stream, ident, parent)
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception as e:  # noqa: BLE001 - answered, logged, and the kernel goes on
+                self.log.exception("handler for %s failed", msg_type)
+                if msg_type.endswith("_request"):
+                    reply = {"status": "error", "ename": type(e).__name__, "evalue": str(e), "traceback": []}
+                    self.session.send(stream, msg_type.replace("_request", "_reply"), reply, parent, ident=ident)
+        return handle
 
     async def _ready_error(self) -> dict | None:
         """Wait for the ranks; the error to show if the kernel cannot run cells."""
         cfg = self.dist_config
         if isinstance(cfg, ConfigError):
             return error_content("ConfigError", str(cfg))
-        if self.supervisor is None:
+        sup = self.supervisor
+        if sup is None:
             return error_content("ConfigError", "the kernel has no configuration")
-        await self.supervisor.ready.wait()
-        if self.supervisor.start_error:
-            return error_content("RankStartError", self.supervisor.start_error)
-        dead = [r for r in self.supervisor.ranks.values() if not r.alive]
+        if not sup.ready.is_set():
+            # the stop button while the ranks start ends this cell, never a starting rank
+            self._start_interrupted.clear()
+            ready = asyncio.ensure_future(sup.ready.wait())
+            stop = asyncio.ensure_future(self._start_interrupted.wait())
+            await asyncio.wait([ready, stop], return_when=asyncio.FIRST_COMPLETED)
+            for task in (ready, stop):
+                task.cancel()
+            if not sup.ready.is_set():
+                return error_content("KeyboardInterrupt", "interrupted while the ranks were starting; they "
+                                     "go on starting, and the next cell runs on them")
+        if sup.start_error:
+            return error_content("RankStartError", sup.start_error)
+        dead = [r for r in sup.ranks.values() if not r.alive]
         if dead:
-            what = "; ".join(f"rank {r.rank} {r.exit_reason}" for r in dead)
+            what = "; ".join(f"rank {r.rank} (pid {r.pid}) {r.exit_reason}" for r in dead)
             return error_content(
                 "RankDiedError", what,
                 ["The process group cannot continue without it. Restart the kernel "
@@ -139,9 +173,10 @@ class DistributedKernel(Kernel):
         err = await self._ready_error()
         if err:
             return self._fail(parent, err, silent)
-        assert self.supervisor is not None
+        sup = self.supervisor
+        assert sup is not None
         try:
-            plan = plan_cell(code, self.supervisor.config.world_size)
+            plan = plan_cell(code, sup.config.world_size)
         except RankSpecError as e:
             return self._fail(parent, error_content("RankSpecError", str(e)), silent)
         if plan.magics:
@@ -152,42 +187,54 @@ class DistributedKernel(Kernel):
                 return {"status": "ok", "execution_count": self.execution_count, "user_expressions": {},
                         "payload": []}
 
-        cfg = self.supervisor.config
+        if self._reform_pending and not self._left_running:
+            self._reform_pending = False
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(sup.form_group(), sup.config.startup_timeout)
+        cfg = sup.config
         run = CellRun(plan.ranks, lambda t, c: self._publish(parent, t, c), self.execution_count,
-                      world=range(cfg.world_size),
-                      window=cfg.merge_window, on_stall=self._on_stall, hang_grace=cfg.hang_grace,
-                      rich_from=plan.ranks[0] if self.output_policy == "rank0" else None)
+                      world=range(cfg.world_size), window=cfg.merge_window, on_look=self._look,
+                      hang_grace=cfg.hang_grace, rich_from=plan.ranks[0] if self.output_policy == "rank0" else None,
+                      on_comm=lambda rank, msg: self._relay_comm(rank, msg, parent),
+                      dead=lambda: [r for r, rk in sup.ranks.items() if not rk.alive],
+                      budget=self._output_budget, displays=self._displays)
         run.parent = parent
         content = {"code": plan.code, "silent": silent, "store_history": store_history,
                    "user_expressions": user_expressions or {}, "allow_stdin": allow_stdin,
                    "stop_on_error": False}
+        # the cell's ranks travel along: rank-side code (fastai's show_batch) shows what one
+        # process would show once, from the cell's first rank
+        meta = {"dist_kernel": {"ranks": list(plan.ranks)}, **({"cellId": cell_id} if cell_id else {})}
         ident = self._get_shell_context_var(self._shell_parent_ident)
         self._stdin = InputBroker(lambda prompt, pw: self._ask_frontend(prompt, pw, ident, parent),
-                                  self.supervisor.reply_input) if allow_stdin else None
+                                  sup.reply_input) if allow_stdin else None
+        self._current = run
         for rank in plan.ranks:
             try:
-                # the cell's ranks travel along: rank-side code (fastai's show_batch) shows
-                # what one process would show once, from the cell's first rank
-                meta = {"dist_kernel": {"ranks": list(plan.ranks)}, **({"cellId": cell_id} if cell_id else {})}
-                msg_id, fut = self.supervisor.send(rank, "execute_request", content, metadata=meta)
+                channel = sup.channel(rank)
+                msg_id, fut = channel.send("execute_request", content, metadata=meta)
             except RankDiedError as e:
                 run.on_rank_lost(rank, "RankDiedError", str(e))
                 continue
-            self._runs[msg_id] = (run, rank)
+            run.child_ids[rank] = msg_id
+            self.comms.sent(msg_id, parent["header"]["msg_id"])
+            self._listen(rank, msg_id, lambda msg, rank=rank: run.on_iopub(rank, msg))
             fut.add_done_callback(lambda f, rank=rank: self._on_reply(run, rank, f))
-        self._current = run
+            if sup.ranks[rank].stopped:
+                self._notice_stopped(run, rank)
         try:
             error = await run.wait()
         finally:
             self._current = None
             self._stdin = None
-            while len(self._runs) > _RECENT * max(1, len(plan.ranks)):
-                self._runs.popitem(last=False)
 
-        if error is not None or run.group_broken:
-            await self._recover_group(run, error)
+        if run.group_broken or self._group_broke(run):
+            await self._recover_group(run)
         first = plan.ranks[0]
         reply0 = run.replies.get(first, {})
+        payload = reply0.get("payload", [])
+        if any(p.get("source") == "ask_exit" and not p.get("keepkernel") for p in payload):
+            self._exit_soon()  # exit()/quit(): end like a plain kernel; the frontend restarts it
         if error is not None:
             error = dict(error, traceback=error["traceback"] + run.notes)
             if not silent:
@@ -196,58 +243,92 @@ class DistributedKernel(Kernel):
         return {"status": "ok", "execution_count": self.execution_count,
                 "user_expressions": reply0.get("user_expressions", {}),
                 # payloads (pager, set_next_input) from one rank only, or the frontend acts N times
-                "payload": reply0.get("payload", [])}
+                "payload": payload}
 
-    async def _on_stall(self, run: CellRun, busy: list[int], idle: list[int]) -> None:
-        """Some ranks are idle, others still busy: are the busy ones stuck in a collective?"""
+    def _listen(self, rank: int, msg_id: str, handler: Any) -> None:
+        """Route a request's IOPub messages to ``handler``; the last ``_RECENT`` stay routed, so
+        output a background thread prints after its cell ended still finds its place."""
+        assert self.supervisor is not None
+        self.supervisor.channel(rank).listen(msg_id, handler)
+        self._listening.append((rank, msg_id))
+        while len(self._listening) > _RECENT * max(1, self.supervisor.config.world_size):
+            old_rank, old_id = self._listening.popleft()
+            r = self.supervisor.ranks.get(old_rank)
+            if r is not None and r.channel is not None:
+                r.channel.unlisten(old_id)
+
+    # ------------------------------------------------------------- faults
+    async def _look(self, run: CellRun) -> None:
+        """Ask the busy ranks where they are, let the fault policy judge, and act on it."""
         sup = self.supervisor
         assert sup is not None
+        busy = [r for r in run.busy_ranks if sup.ranks[r].alive]
         places = dict(zip(busy, await asyncio.gather(*(sup.where(r) for r in busy)), strict=True))
-        dead = [r for r in idle if not sup.ranks[r].alive]
-        if dead:
-            # the group cannot continue: stop the survivors instead of letting them hang
-            for r in busy:
-                what = places[r].get("collective")
-                where = f" while waiting in torch.distributed.{what}()" if what else ""
-                run.mark_stuck(r, "RankDiedError", f"rank {r} was stopped{where}: rank {format_ranks(dead)} died",
-                               ["Where it was:", *places[r].get("stack", [])])
-            await sup.interrupt(busy)
-            await asyncio.sleep(3)
-            for r in run.busy_ranks:
-                run.on_rank_lost(r, "RankDiedError", f"rank {r} did not stop after rank {format_ranks(dead)} died")
+        seen = {r: _seen(p) for r, p in places.items()}
+        for r, s in seen.items():
+            if not s.answered and not sup.ranks[r].stopped:
+                self._notice(run, f"rank {r} (pid {sup.ranks[r].pid}) does not answer "
+                                  f"({state_words(sup.ranks[r].process.os_state())}): it may be stuck in C code "
+                                  "that holds the GIL. Press stop to end the cell, or restart the kernel.", key=("silent", r))
+        verdict = run.judge.judge(run.state(), seen, run.clock())
+        if verdict.action == "wait":
             return
-        if all(p.get("collective") and p.get("world") for p in places.values()) and run.busy_ranks:
-            # every busy rank waits on the whole group, and some ranks will never join: tear
-            # the group down on an idle rank, which makes the blocked ranks raise at once; it
-            # is re-formed after the cell
-            for r in busy:
-                run.mark_stuck(
-                    r, "CollectiveHangError",
-                    f"rank {r} was blocked in torch.distributed.{places[r]['collective']}(), which rank "
-                    f"{format_ranks(idle)} never entered (idle: finished or not selected by %%rank)",
-                    ["Where it was waiting:", *places[r].get("stack", [])])
-            self.log.warning("ranks %s stuck in collectives; tearing down the group", busy)
+        for r, reason in verdict.stuck.items():
+            place = places.get(r)
+            lines = ["Where it was waiting:", *place.stack] if place is not None and place.stack else []
+            if verdict.action == "abandon":
+                run.on_rank_lost(r, verdict.ename, reason)
+                self._left_running.add(r)
+            else:
+                run.mark_stuck(r, verdict.ename, reason, lines)
+        if verdict.action == "stop":
+            await sup.interrupt(list(verdict.stuck))
+            await asyncio.sleep(fault_policy.STOP_TIMEOUT)
+            for r in run.busy_ranks:
+                run.on_rank_lost(r, "RankDiedError", verdict.stuck.get(r, f"rank {r} did not stop"))
+        elif verdict.action == "teardown":
+            self.log.warning("ranks %s stuck in collectives; tearing down the group", list(verdict.stuck))
             run.group_broken = True
-            await sup.teardown(idle)
+            failed = await sup.teardown(verdict.teardown_on)
+            if failed:
+                self._notice(run, f"rank {format_ranks(failed)} did not confirm tearing the process group down; "
+                                  "ranks blocked with it may stay blocked: press stop, or restart the kernel.",
+                             key=("teardown",))
 
-    async def _recover_group(self, run: CellRun, error: dict | None) -> None:
-        """After a torn-down or failed collective, form a fresh group on every rank."""
+    def _group_broke(self, run: CellRun) -> bool:
+        """Did a rank report that its process group broke during the cell?"""
+        return any(meta.get("dist_kernel", {}).get("group_broken") for meta in run.reply_metadata.values())
+
+    async def _recover_group(self, run: CellRun) -> None:
+        """After a torn-down or broken group, form a fresh one on every rank (policy: after_cell)."""
         sup = self.supervisor
         assert sup is not None
-        if not run.group_broken and not _group_failure(error):
-            return
-        if any(not r.alive for r in sup.ranks.values()):
+
+        def decide() -> str:
+            return fault_policy.after_cell(run.group_broken, self._group_broke(run),
+                                           [r for r, rk in sup.ranks.items() if not rk.alive], self._left_running)
+
+        decision = decide()
+        if decision == "reform":
+            try:
+                await asyncio.wait_for(sup.form_group(), sup.config.startup_timeout)
+                run.notes.append(
+                    "\x1b[1;33mdist_kernel:\x1b[0m the process group was re-formed; every rank's variables "
+                    "survived. Objects bound to the old group (DistributedDataParallel wrappers, new_group() "
+                    "handles) must be created again.")
+                return
+            except Exception as e:  # noqa: BLE001 - a rank died meanwhile, or a join failed
+                decision = decide()
+                if decision == "reform":
+                    run.notes.append(f"Re-forming the process group failed ({e}); restart the kernel.")
+                    return
+        if decision == "restart":
             run.notes.append("A rank died, so the process group cannot be re-formed: restart the kernel.")
-            return
-        try:
-            await asyncio.wait_for(sup.form_group(), sup.config.startup_timeout)
-        except Exception as e:  # noqa: BLE001
-            run.notes.append(f"Re-forming the process group failed ({e}); restart the kernel.")
-            return
-        run.notes.append(
-            "\x1b[1;33mdist_kernel:\x1b[0m the process group was re-formed; every rank's variables survived. "
-            "Objects bound to the old group (DistributedDataParallel wrappers, new_group() handles) must be "
-            "created again.")
+        elif decision == "later":
+            self._reform_pending = True
+            run.notes.append(f"rank {format_ranks(sorted(self._left_running))} is still running its cell; the "
+                             "process group is re-formed before the next cell once it is back (restart the "
+                             "kernel if it does not come back).")
 
     def _on_reply(self, run: CellRun, rank: int, fut: asyncio.Future) -> None:
         if fut.cancelled():
@@ -257,29 +338,75 @@ class DistributedKernel(Kernel):
             run.on_rank_lost(rank, "RankDiedError", str(exc),
                              "Restart the kernel to start fresh ranks (the group cannot continue without it).")
         else:
-            run.on_reply(rank, fut.result()["content"])
+            msg = fut.result()
+            run.reply_metadata[rank] = msg.get("metadata") or {}
+            run.on_reply(rank, msg["content"])
+            self._left_running.discard(rank)
 
-    def _on_rank_iopub(self, rank: int, msg: dict) -> None:
-        parent_id = msg.get("parent_header", {}).get("msg_id")
-        msg_type = msg["header"]["msg_type"]
-        entry = self._runs.get(parent_id)
-        if msg_type in ("comm_open", "comm_msg", "comm_close"):
-            self._track_comm(msg_type, msg["content"].get("comm_id"), rank)
-            # comms bypass merging: the frontend needs comm_open before the widget's display
-            parent = entry[0].parent if entry else self._forwarded.get(parent_id, {})
-            # message metadata carries the widget protocol version; buffers carry binary state
-            self._publish(parent, msg_type, msg["content"], msg.get("metadata"), msg.get("buffers"))
+    def _on_rank_death(self, rank: int, reason: str) -> None:
+        if self._exiting:
+            return  # exit() ends every rank on purpose
+        self.log.error("rank %d %s", rank, reason)
+        run = self._current
+        if run is not None:
+            r = self.supervisor.ranks[rank] if self.supervisor else None
+            tail = r.log_tail(15) if r else ""
+            run.on_rank_lost(rank, "RankDiedError", f"rank {rank} (pid {r.pid if r else '?'}) {reason}",
+                             (f"Last output of the rank process:\n{tail}\n" if tail.strip() else "")
+                             + "Restart the kernel to start fresh ranks; the group cannot continue without it.")
+
+    def _on_rank_stopped(self, rank: int, state: str) -> None:
+        """A rank was stopped (``state`` in words) or runs again (``state`` empty)."""
+        sup = self.supervisor
+        if not state:
+            if sup is not None and rank in self._left_running:
+                # the interrupt it got while stopped may have gone to another thread on resume:
+                # signal it again now that it runs, so its cell ends
+                asyncio.ensure_future(sup.interrupt([rank]))
             return
-        if entry is not None:
-            entry[0].on_iopub(rank, msg)
-        elif parent_id in self._forwarded and msg_type in OUTPUT_TYPES:
-            # output of a comm callback (a widget's on_click, say): label it with its rank
-            self._publish_labelled(self._forwarded[parent_id], rank, msg_type, msg["content"])
+        run = self._current
+        if run is not None and rank in run.busy_ranks:
+            self._notice_stopped(run, rank)
 
-    def _publish_labelled(self, parent: dict, rank: int, msg_type: str, content: dict) -> None:
-        if msg_type == "stream" and self.supervisor and self.supervisor.config.world_size > 1:
-            content = dict(content, text=label_lines(content.get("text", ""), [rank]))
-        self._publish(parent, msg_type, content)
+    def _notice_stopped(self, run: CellRun, rank: int) -> None:
+        assert self.supervisor is not None
+        r = self.supervisor.ranks[rank]
+        self._notice(run, f"rank {rank} (pid {r.pid}) is {r.stopped or 'stopped'} (SIGSTOP or a debugger): "
+                          f"the cell waits for it. Resume it with `kill -CONT {r.pid}`, press stop to end the "
+                          "cell without it, or restart the kernel.", key=("stopped", rank))
+
+    def _notice(self, run: CellRun, text: str, key: tuple) -> None:
+        """A kernel message in the cell's output, once per cell and key."""
+        if key in run.noticed:
+            return
+        run.noticed.add(key)
+        run.flush(force=True)
+        self._publish(run.parent, "stream", {"name": "stderr", "text": f"[dist_kernel] {text}\n"})
+
+    # -------------------------------------------------------------- output
+    def _on_unrouted(self, rank: int, msg: dict) -> None:
+        """IOPub messages no request listens for: dropped (statuses), or comms."""
+        msg_type = msg["header"]["msg_type"]
+        if msg_type in ("comm_open", "comm_msg", "comm_close"):
+            self._relay_comm(rank, msg, {})
+
+    def _relay_comm(self, rank: int, msg: dict, parent: dict) -> None:
+        # comms bypass merging: the frontend needs comm_open before the widget's display;
+        # message metadata carries the widget protocol version, buffers carry binary state
+        msg_type = msg["header"]["msg_type"]
+        content = self.comms.from_rank(msg_type, msg["content"], rank)
+        self._publish(parent, msg_type, content, msg.get("metadata"), msg.get("buffers"))
+
+    def _on_comm_output(self, rank: int, parent: dict, msg: dict) -> None:
+        """Output of a comm callback (a widget's on_click): labelled with its rank."""
+        msg_type = msg["header"]["msg_type"]
+        if msg_type in ("comm_open", "comm_msg", "comm_close"):
+            self._relay_comm(rank, msg, parent)
+        elif msg_type in OUTPUT_TYPES:
+            content = msg["content"]
+            if msg_type == "stream" and self.supervisor and self.supervisor.config.world_size > 1:
+                content = dict(content, text=label_lines(content.get("text", ""), [rank]))
+            self._publish(parent, msg_type, content)
 
     def _on_rank_stdin(self, rank: int, msg: dict) -> None:
         broker = self._stdin
@@ -304,50 +431,41 @@ class DistributedKernel(Kernel):
     async def comm_close(self, stream: Any, ident: Any, parent: dict) -> None:
         self._route_comm(parent)
 
-    def _track_comm(self, msg_type: str, comm_id: str, rank: int) -> None:
-        """Which rank owns a comm: set by comm_open (from either side), dropped by comm_close."""
-        if msg_type == "comm_open":
-            self._comm_owner[comm_id] = rank
-        elif msg_type == "comm_close":
-            self._comm_owner.pop(comm_id, None)
-
     def _route_comm(self, parent: dict) -> None:
         """A frontend comm message goes to the rank that owns the comm (rank 0 for new ones)."""
         asyncio.ensure_future(self._forward_comm(parent))
 
     async def _forward_comm(self, parent: dict) -> None:
-        if self.supervisor is None:
+        sup = self.supervisor
+        if sup is None:
             return
-        await self.supervisor.ready.wait()  # in a task: never delays other requests
-        if self.supervisor.start_error:
+        await sup.ready.wait()  # in a task: never delays other requests
+        if sup.start_error:
             return
         msg_type = parent["header"]["msg_type"]
         content = parent["content"]
-        comm_id = content.get("comm_id")
-        rank = self._comm_owner.get(comm_id, 0)
-        self._track_comm(msg_type, comm_id, rank)
+        rank = self.comms.rank_for(content.get("comm_id"))
+        self.comms.track(msg_type, content.get("comm_id"), rank)
         try:
-            msg_id, _ = self.supervisor.send(rank, msg_type, content, metadata=parent.get("metadata"),
-                                             expect_reply=False, buffers=parent.get("buffers"))
+            msg_id, _ = sup.channel(rank).send(msg_type, content, metadata=parent.get("metadata"),
+                                               expect_reply=False, buffers=parent.get("buffers"))
         except RankDiedError:
             return
-        self._forwarded[msg_id] = parent
-        while len(self._forwarded) > 4 * _RECENT:
-            self._forwarded.popitem(last=False)
+        self._listen(rank, msg_id, lambda msg: self._on_comm_output(rank, parent, msg))
 
     async def comm_info_request(self, stream: Any, ident: Any, parent: dict) -> None:
         """The comms of every rank, merged."""
         comms: dict[str, dict] = {}
         sup = self.supervisor
         if sup is not None and sup.ready.is_set() and not sup.start_error:
-            live = [r for r, rk in sup.ranks.items() if rk.alive]
-            replies = await asyncio.gather(*(sup.request(r, "comm_info_request", parent["content"], 5)
+            live = sup.live_ranks()
+            replies = await asyncio.gather(*(sup.channel(r).shell_request("comm_info_request", parent["content"], 5)
                                              for r in live), return_exceptions=True)
             for rank, reply in zip(live, replies, strict=True):
                 if isinstance(reply, dict):
                     for comm_id, info in reply.get("comms", {}).items():
                         comms[comm_id] = info
-                        self._comm_owner.setdefault(comm_id, rank)
+                        self.comms.owner.setdefault(comm_id, rank)
         self.session.send(stream, "comm_info_reply", {"status": "ok", "comms": comms}, parent, ident=ident)
 
     # -------------------------------------------------------------- magics
@@ -367,22 +485,24 @@ class DistributedKernel(Kernel):
             elif name == "dist_empty_cache":
                 if arg not in ("on", "off"):
                     return error_content("UsageError", f"%dist_empty_cache {arg!r}: use on or off.")
-                await asyncio.gather(*(sup.run_silent(r, f"_dk_agent.set_empty_cache({arg == 'on'})")
-                                       for r in sup.ranks))
+                missing = await sup.set_option("empty_cache", arg == "on")
+                if missing:
+                    return error_content("RankRequestError", f"rank {format_ranks(missing)} did not confirm "
+                                         "%dist_empty_cache; run it again, or restart the kernel.")
                 self._publish(parent, "stream", {"name": "stdout", "text": f"empty_cache after each cell: {arg}\n"})
         return None
 
-    def _on_rank_death(self, rank: int, reason: str) -> None:
-        self.log.error("rank %d %s", rank, reason)
-        run = self._current
-        if run is not None:
-            r = self.supervisor.ranks[rank] if self.supervisor else None
-            tail = r.log_tail(15) if r else ""
-            run.on_rank_lost(rank, "RankDiedError", f"rank {rank} (pid {r.pid if r else '?'}) {reason}",
-                             (f"Last output of the rank process:\n{tail}\n" if tail.strip() else "")
-                             + "Restart the kernel to start fresh ranks; the group cannot continue without it.")
-
     # ---------------------------------------------------------- control
+    def _publish_status(self, status: str, channel: str, parent: dict | None = None) -> None:
+        # jupyter_client's KernelManager and its client share a session id but count messages
+        # separately, so an interrupt_request can carry the very msg_id of the running cell:
+        # its busy/idle would read, to nbclient, as the cell's idle. Such a pair is not sent.
+        if channel == "control" and parent is None and self._current is not None:
+            control_id = self.get_parent("control").get("header", {}).get("msg_id")
+            if control_id == self._current.parent.get("header", {}).get("msg_id"):
+                return
+        super()._publish_status(status, channel, parent)
+
     def pre_handler_hook(self) -> None:
         """Keep the parent's SIGINT handler (interrupt the ranks) while handling requests."""
 
@@ -406,11 +526,40 @@ class DistributedKernel(Kernel):
         self.session.send(stream, "interrupt_reply", content, parent, ident=ident)
 
     async def _interrupt_busy(self) -> None:
+        """The stop button. Before the ranks are ready it ends the waiting cell and never
+        signals a starting rank; during a cell it signals the busy ranks (the fault policy
+        tears the group down for those a collective keeps from reacting); between cells it
+        signals only ranks left running by an earlier cell."""
+        sup = self.supervisor
+        assert sup is not None
+        if not sup.ready.is_set():
+            self._start_interrupted.set()
+            return
         run = self._current
-        assert self.supervisor is not None
-        if run is not None:
-            run.interrupted_at = run.clock()  # ranks still blocked in a collective get looked at soon
-        await self.supervisor.interrupt(run.busy_ranks if run is not None else None)
+        if run is None:
+            await sup.interrupt(sorted(self._left_running))
+            return
+        stopped = [r for r in run.busy_ranks if sup.ranks[r].stopped]
+        for r in stopped:  # a stopped rank cannot react: the cell ends without it
+            run.on_rank_lost(r, "RankStoppedError",
+                             f"rank {r} (pid {sup.ranks[r].pid}) is {sup.ranks[r].stopped}; resume it with "
+                             f"`kill -CONT {sup.ranks[r].pid}` (it then sees the interrupt) or restart the kernel")
+            self._left_running.add(r)
+        # the stopped ranks are signalled too: the signal waits, and ends their cell once resumed
+        await sup.interrupt(stopped + run.interrupt())
+
+    def _exit_soon(self) -> None:
+        """``exit()`` in a cell: like a plain kernel, end (after the reply is sent)."""
+        self._exiting = True
+
+        async def end() -> None:
+            await asyncio.sleep(0.1)
+            if self.supervisor is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.supervisor.shutdown(now=True), 10)
+            self.io_loop.stop()
+
+        asyncio.ensure_future(end())
 
     async def do_shutdown(self, restart: bool) -> dict:
         if self.supervisor is not None:
@@ -438,7 +587,7 @@ class DistributedKernel(Kernel):
             except RankSpecError:
                 pass
         try:
-            return await sup.request(rank, msg_type, content)
+            return await sup.channel(rank).shell_request(msg_type, content)
         except Exception:  # noqa: BLE001 - a dead or busy rank: answer without it
             return fallback
 
@@ -470,13 +619,14 @@ class DistributedKernel(Kernel):
         return reply
 
 
-class DistributedKernelApp(IPKernelApp):
+class DistributedKernelApp(UnboundedIOPubApp):
     """IPKernelApp that runs :class:`DistributedKernel` and keeps its own prints off IOPub."""
 
     name = "dist-kernel"
     kernel_class = DistributedKernel
     outstream_class = None  # the parent's own prints go to its log, never into a cell
     dist_config = AnyTrait(None)
+    rank_argv = AnyTrait(None)  # kernel arguments from the frontend, for the ranks too
 
     def init_control(self, context: Any) -> None:
         super().init_control(context)
@@ -504,12 +654,21 @@ class DistributedKernelApp(IPKernelApp):
     def init_kernel(self) -> None:
         super().init_kernel()
         self.kernel.dist_config = self.dist_config
+        self.kernel.extra_argv = list(self.rank_argv or [])
 
 
 def launch(connection_file: str, config: KernelConfig | ConfigError, extra_argv: list[str] | None = None) -> None:
     """Start the parent kernel (what kernel.json's argv runs)."""
-    app = DistributedKernelApp.instance(dist_config=config)
+    app = DistributedKernelApp.instance(dist_config=config, rank_argv=list(extra_argv or []))
     app.initialize(["-f", connection_file, *(extra_argv or [])])
     started = time.monotonic()
     app.log.info("dist_kernel parent up in %.3fs", time.monotonic() - started)
     app.start()
+
+
+def _seen(place: Any) -> fault_policy.Seen:
+    """A ``where`` reply as the fault policy sees it (None: the rank did not answer)."""
+    if place is None:
+        return fault_policy.Seen(answered=False)
+    return fault_policy.Seen(answered=True, collective=place.collective, group_ranks=tuple(place.group_ranks),
+                             peer=place.peer, seq=place.seq, line=place.line)

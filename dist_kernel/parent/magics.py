@@ -70,12 +70,11 @@ def parse_rank_spec(spec: str, world_size: int) -> tuple[int, ...]:
         hi = int(m.group(2)) if m.group(2) is not None else lo
         if hi < lo:
             raise RankSpecError(f"%%rank {spec.strip()!r}: range {lo}-{hi} runs backwards. {hint}")
+        if hi >= world_size:
+            # checked before the range is built: `0-100000000000` must not allocate its ranks
+            missing = f"{max(lo, world_size)}-{hi}" if hi > max(lo, world_size) else str(hi)
+            raise RankSpecError(f"%%rank {spec.strip()!r}: rank {missing} does not exist; {hint}")
         ranks.update(range(lo, hi + 1))
-    missing = sorted(r for r in ranks if r >= world_size)
-    if missing:
-        raise RankSpecError(
-            f"%%rank {spec.strip()!r}: rank {format_ranks(missing)} does not exist; "
-            f"{hint}")
     return tuple(sorted(ranks))
 
 

@@ -99,6 +99,7 @@ class _Item:
     solo: bool = False  # shown unlabelled as soon as it is at the head (output policy rank0)
     size: int = 0  # bytes, roughly: large items wait longer for their twins
     held: bool = False  # an error item that may be the cell's own error: not published yet
+    in_order: bool = False  # published as it is, in its place (see CellMerger.add_in_order)
     display_id: str | None = None
 
 
@@ -217,6 +218,18 @@ class CellMerger:
             # an unfinished line belongs before the clear: held back, it would join the next line
             self._flush_partials(rank, now, force=True)
             self._push(rank, _Item("clear_output", ("clear_output", bool(content.get("wait"))), content, now))
+        self._drain(now)
+
+    def add_in_order(self, rank: int, msg_type: str, content: dict, now: float) -> None:
+        """Feed a message that is never merged or labelled but must reach the frontend in its
+        place among ``rank``'s outputs (an ipywidgets ``Output`` starting or stopping a
+        capture: what the rank printed before must land before it). Errors the rank showed
+        before it were survived: they are ordinary output."""
+        self._flush_partials(rank, now, force=True)
+        for item in self._held[rank]:
+            item.held = False
+        self._held[rank].clear()
+        self._push(rank, _Item(msg_type, ("in_order", rank, id(content)), content, now, in_order=True))
         self._drain(now)
 
     def rank_replied(self, rank: int, reply: dict, now: float) -> None:
@@ -532,6 +545,9 @@ class CellMerger:
         multi = len(self.ranks) > 1
         group = list(self.ranks) if ranks is None else ranks
         lab = None if ranks is None else label(ranks)
+        if item.in_order:
+            self._out.append((item.kind, item.content))
+            return
         if item.kind == "clear_output":
             if not multi or (ranks is None and not self._area_ranks):
                 # every rank cleared at the same point of its output: one clear, as one process

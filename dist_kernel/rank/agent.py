@@ -1,56 +1,39 @@
-"""Runs inside each rank: what the parent needs from a rank besides running cells.
+"""Runs inside each rank: what the rank kernel answers the parent, besides running cells.
 
-- a watchdog thread that answers "where is the cell?" requests: the main thread may be
-  blocked in a C++ collective, but its Python frames can still be read from another thread;
-- PR_SET_PDEATHSIG, so the OS ends the rank with the parent even when the rank is stuck
-  holding the GIL (the parent's reaper process also kills it and removes the runtime dir);
-- the after-cell hook that frees the CUDA cache;
-- small queries and actions the parent runs silently (status, group teardown).
+Everything here is called from :class:`dist_kernel.rank.kernel.RankKernel`: the typed
+requests of :mod:`dist_kernel.protocol` (where, status, teardown, options) run on the
+kernel's control thread, which can read the main thread's frames while that thread is
+blocked in a C++ collective. State lives in this module, never in the user's namespace, so
+``%reset -f`` or ``globals().clear()`` cannot break it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import signal
 import socket
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Iterator
+from types import FrameType
 
-_state: dict[str, object] = {"empty_cache": True}
+from dist_kernel.protocol import Done, Place, RankStatus
 
+_state: dict[str, object] = {"empty_cache": True, "busy": False}
 
-def probe_paths(runtime_dir: str, rank: int) -> tuple[str, str]:
-    """Request and answer files of a rank's "where is the cell?" probe."""
-    return os.path.join(runtime_dir, f"rank{rank}.probe"), os.path.join(runtime_dir, f"rank{rank}.where")
-
-
-def setup(rank: int, parent_pid: int, runtime_dir: str, empty_cache: bool = True) -> None:
-    """Start the watchdog thread and the after-cell hook (idempotent)."""
-    if _state.get("rank") is not None:
-        return
-    _state.update(rank=rank, empty_cache=empty_cache)
-    _die_with_parent(parent_pid)
-    threading.Thread(target=_watch, args=probe_paths(runtime_dir, rank),
-                     daemon=True, name="dist_kernel-watchdog").start()
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    if shell is not None:
-        shell.events.register("post_run_cell", after_cell)
+#: torch.distributed functions that only wrap others (the innermost real call is reported)
+_WRAPPERS = {"wrapper", "_wait", "wait"}
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Have Linux SIGKILL this rank when the parent dies (PR_SET_PDEATHSIG).
 
     Needs no GIL, so it also ends a rank stuck in C code that holds it (a CUDA sync inside
-    ``.item()``, a C extension). The reaper process does the same on every system, and
-    removes the runtime dir; this is the OS-level guard should the reaper itself be killed.
+    ``.item()``, a C extension). The parent's reaper process does the same and removes the
+    runtime dir; this is the OS-level guard should the reaper itself be killed.
     """
     if not sys.platform.startswith("linux"):
         return
@@ -64,53 +47,78 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _watch(request: str, answer: str, interval: float = 0.1) -> None:
-    while True:
-        if os.path.exists(request):
-            try:
-                os.unlink(request)
-                tmp = answer + ".tmp"
-                with open(tmp, "w") as f:
-                    json.dump(where(), f)
-                os.replace(tmp, answer)  # the parent never reads half a file
-            except Exception:  # noqa: BLE001 - the watchdog must not die
-                pass
-        time.sleep(interval)
+def before_cell(info: object = None) -> None:
+    _state["busy"] = True
 
 
-def where() -> dict:
-    """Where the main thread is: its cell frames, and the collective it waits in, if any."""
+def where() -> Place:
+    """Where the main thread is: its cell frames, and the torch.distributed call it is in."""
     frame = sys._current_frames().get(threading.main_thread().ident)
+    busy = bool(_state.get("busy"))
     if frame is None:
-        return {"collective": None, "world": False, "stack": []}
-    summary = traceback.extract_stack(frame)
-    collective, world = None, False
-    f = frame
-    while f is not None:  # innermost torch.distributed call and the group it was given
-        if f.f_code.co_filename.endswith("distributed_c10d.py") and f.f_code.co_name not in ("wrapper",):
-            collective = f.f_code.co_name
-            world = _is_world(f.f_locals.get("group"))
+        return Place(collective=None, group_ranks=[], peer=None, seq=None, stack=[], line="", busy=busy)
+    collective, dist_frame = None, None
+    f: FrameType | None = frame
+    while f is not None:  # the innermost torch.distributed call, with its arguments
+        if f.f_code.co_filename.endswith("distributed_c10d.py") and f.f_code.co_name not in _WRAPPERS:
+            collective, dist_frame = f.f_code.co_name, f
         f = f.f_back
-    stack = [f'  File "{_short(fs.filename)}", line {fs.lineno}, in {fs.name}\n    {fs.line or ""}'
-             for fs in summary if _user_frame(fs.filename)]
-    return {"collective": collective, "world": world, "stack": stack}
+    group_ranks: list[int] = []
+    peer = seq = None
+    if dist_frame is not None:
+        args = dist_frame.f_locals
+        group_ranks, seq = _group_info(args.get("group"))
+        for name in ("src", "dst", "group_src", "group_dst"):
+            value = args.get(name)
+            if isinstance(value, int) and collective in ("send", "recv", "isend", "irecv"):
+                peer = value
+    summary = [fs for fs in traceback.extract_stack(frame) if _user_frame(fs.filename)] if busy else []
+    stack = [f'  File "{_short(fs.filename)}", line {fs.lineno}, in {fs.name}\n    {fs.line or ""}' for fs in summary]
+    cell = [fs for fs in summary if _short(fs.filename) == "cell"]
+    line = f"line {cell[-1].lineno}: {cell[-1].line}" if cell else ""
+    return Place(collective=collective, group_ranks=group_ranks, peer=peer, seq=seq, stack=stack,
+                 line=line, busy=busy)
 
 
-def _is_world(group: object) -> bool:
-    if group is None:
-        return True
+def _group_info(group: object) -> tuple[list[int], int | None]:
+    """The global ranks of a collective's group (the world for None) and its sequence number."""
     try:
         import torch.distributed as dist
 
-        return group is dist.GroupMember.WORLD or dist.get_world_size(group) == dist.get_world_size()
-    except Exception:  # noqa: BLE001
-        return False
+        pg = group if group is not None else dist.GroupMember.WORLD
+        ranks = list(dist.get_process_group_ranks(pg))
+    except Exception:  # noqa: BLE001 - a torn-down group: no ranks to name
+        return [], None
+    seq = None
+    with contextlib.suppress(Exception):
+        seq = int(pg._get_sequence_number_for_group())  # type: ignore[union-attr]
+    return ranks, seq
+
+
+#: what gloo says when a connection of the group breaks (it raises a plain RuntimeError)
+_GLOO_BROKEN = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def group_broke(exc: BaseException | None) -> bool:
+    """Did this error (or one it was raised from) come from a broken process group?"""
+    dist = sys.modules.get("torch.distributed")
+    dist_error = getattr(dist, "DistError", None)
+    for _ in range(10):
+        if exc is None or dist_error is None:
+            return False
+        if isinstance(exc, dist_error):
+            return True
+        if isinstance(exc, RuntimeError) and "gloo" in str(exc) and any(w in str(exc) for w in _GLOO_BROKEN):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _user_frame(filename: str) -> bool:
     return not any(p in filename for p in ("site-packages/IPython", "site-packages/ipykernel", "asyncio",
                                            "site-packages/tornado", "site-packages/traitlets", "<frozen",
-                                           "threading.py", "runpy.py", "ipykernel_launcher"))
+                                           "threading.py", "runpy.py", "ipykernel_launcher",
+                                           "dist_kernel/rank/"))
 
 
 def _short(filename: str) -> str:
@@ -119,6 +127,7 @@ def _short(filename: str) -> str:
 
 def after_cell(result: object = None) -> None:
     """Return cached CUDA memory after each cell, so long sessions don't run out through the cache."""
+    _state["busy"] = False
     if not _state.get("empty_cache"):
         return
     torch = sys.modules.get("torch")
@@ -177,40 +186,100 @@ def set_empty_cache(on: bool) -> None:
     _state["empty_cache"] = bool(on)
 
 
-def status() -> dict:
+def status() -> RankStatus:
     """What ``%dist_status`` shows for this rank."""
-    info: dict[str, object] = {"pid": os.getpid(), "host": socket.gethostname(),
-                               "empty_cache": bool(_state.get("empty_cache"))}
+    rss = None
     try:
         with open(f"/proc/{os.getpid()}/status") as f:
-            rss = next((line.split()[1] for line in f if line.startswith("VmRSS:")), "0")
-        info["rss_mb"] = round(int(rss) / 1024, 1)
+            kb = next((line.split()[1] for line in f if line.startswith("VmRSS:")), None)
+        rss = round(int(kb) / 1024, 1) if kb else None
     except OSError:
-        info["rss_mb"] = None
-    ns = _user_ns()
-    info["device"] = str(ns.get("device", "?"))
+        pass
+    cuda_alloc = cuda_reserved = None
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        info["cuda_allocated_mb"] = round(torch.cuda.memory_allocated() / 2**20, 1)
-        info["cuda_reserved_mb"] = round(torch.cuda.memory_reserved() / 2**20, 1)
-    return info
+        cuda_alloc = round(torch.cuda.memory_allocated() / 2**20, 1)
+        cuda_reserved = round(torch.cuda.memory_reserved() / 2**20, 1)
+    place = where()
+    return RankStatus(pid=os.getpid(), host=socket.gethostname(), device=str(_state.get("device", "?")),
+                      rss_mb=rss, empty_cache=bool(_state.get("empty_cache")), busy=place.busy,
+                      line=place.line if place.busy else "", cuda_allocated_mb=cuda_alloc,
+                      cuda_reserved_mb=cuda_reserved)
 
 
-def teardown_group() -> str:
-    """Destroy this rank's process group: peers blocked in a collective with it raise at once."""
+def set_device(device: str) -> None:
+    """Remember the rank's device for status (the user may rebind the name ``device``)."""
+    _state["device"] = device
+
+
+def teardown_group(peer_pids: list[int]) -> Done:
+    """Break this rank's process group, so that every collective on it raises at once.
+
+    Destroying the group makes peers blocked with this rank raise, but not this rank's own
+    main thread when it is blocked itself (every rank in mismatched collectives): so the
+    rank also shuts down its TCP connections to the peer ranks, which is what a dead peer
+    looks like to gloo ("Connection closed by peer"). The group is formed again afterwards.
+    """
+    cut = cut_connections(peer_pids)
+    outcome = f"cut {cut} connection(s)"
+    if not _state.get("busy"):
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+                outcome += ", destroyed"
+        except Exception as e:  # noqa: BLE001 - a broken group may refuse; that is fine too
+            outcome += f", {type(e).__name__}: {e}"
+    return Done(outcome=outcome)
+
+
+def cut_connections(peer_pids: list[int]) -> int:
+    """Shut down this process's established TCP connections to the given processes (Linux)."""
+    table = _tcp_table()
+    peers: set[str] = set()
+    for pid in peer_pids:
+        peers.update(table[i][0] for i in _socket_inodes(pid) if i in table)
+    cut = 0
+    for inode, fd in _socket_inodes(os.getpid()).items():
+        local, remote, state = table.get(inode, ("", "", ""))
+        if state == "01" and remote in peers:  # 01: ESTABLISHED
+            try:
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+                cut += 1
+            except OSError:
+                continue
+    return cut
+
+
+def _socket_inodes(pid: int) -> dict[int, int]:
+    """Socket inode -> file descriptor, for one process."""
+    found: dict[int, int] = {}
     try:
-        import torch.distributed as dist
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            found[int(link[8:-1])] = int(fd)
+    return found
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-            return "destroyed"
-    except Exception as e:  # noqa: BLE001 - a broken group may refuse; that is fine too
-        return f"{type(e).__name__}: {e}"
-    return "none"
 
-
-def _user_ns() -> dict:
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    return shell.user_ns if shell is not None else {}
+def _tcp_table() -> dict[int, tuple[str, str, str]]:
+    """Socket inode -> (local address, remote address, state), from /proc/net/tcp and tcp6."""
+    table: dict[int, tuple[str, str, str]] = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/net/{name}") as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    table[int(parts[9])] = (parts[1], parts[2], parts[3])
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    return table

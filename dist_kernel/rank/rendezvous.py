@@ -1,39 +1,30 @@
 """Runs inside each rank: join the torch.distributed process group and define the names.
 
-The parent never imports this module's torch parts; it only sends each rank a line of code
-that calls :func:`join`. Rendezvous goes through a ``FileStore`` in the kernel's private
+The parent sends each rank a typed ``join`` request (:class:`dist_kernel.protocol.Join`);
+the rank kernel calls :func:`join` with it on the rank's main thread. Rendezvous goes through a ``FileStore`` in the kernel's private
 runtime directory (mode 0700): no port is chosen, so there is no free-port race, two kernels
 never collide, and nothing listens on the network (``TCPStore`` binds every interface).
-Gloo and NCCL are kept on loopback.
+The launcher sets the interface gloo and NCCL use (loopback for local ranks).
 """
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
-LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+from dist_kernel.protocol import Join
+from dist_kernel.rank import agent
 
 
-def store_path(runtime_dir: str, generation: int) -> str:
-    """One store file per formation of the group, so a re-formed group never reads stale keys."""
-    return os.path.join(runtime_dir, f"store-{generation}")
-
-
-def join(rank: int, world_size: int, backend: str, store: str, timeout: float,
-         use_cuda: bool, local_rank: int | None = None, seed: int | None = None,
-         fastai: bool = False) -> str:
+def join(req: Join) -> str:
     """Pin the device, form the group, define ``rank``/``world_size``/``local_rank``/``device``.
 
-    Returns a short description of the device, for the kernel banner.
+    Returns the device, for the kernel banner and ``%dist_status``.
     """
-    for key, value in LOOPBACK_ENV.items():
-        os.environ.setdefault(key, value)
+    rank, world_size, backend, local_rank = req.rank, req.world_size, req.backend, req.local_rank
     import torch
     import torch.distributed as dist
 
-    local_rank = rank if local_rank is None else local_rank
-    if use_cuda:
+    if req.use_cuda:
         if not torch.cuda.is_available():
             raise RuntimeError(
                 f"rank {rank}: CUDA was requested (--gpus) but torch.cuda.is_available() is False "
@@ -51,12 +42,13 @@ def join(rank: int, world_size: int, backend: str, store: str, timeout: float,
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - already torn down by a peer
             pass
-    dist.init_process_group(backend, store=dist.FileStore(store, world_size), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout), **kwargs)
+    dist.init_process_group(backend, store=dist.FileStore(req.store, world_size), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=req.timeout), **kwargs)
     _define_names(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
-    if seed is not None:
-        seed_everything(seed)
-    if fastai:
+    agent.set_device(str(device))
+    if req.first and req.seed is not None:
+        seed_everything(req.seed)
+    if req.first and req.fastai:
         from dist_kernel.rank import fastai as fastai_integration
 
         fastai_integration.install()

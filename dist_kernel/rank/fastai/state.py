@@ -48,14 +48,19 @@ def wrap_once(owner: Any, name: str, make: Callable[[Callable], Callable]) -> No
     setattr(owner, name, new)
 
 
+def set_enabled(on: bool) -> None:
+    """The switch, for the magic below and the parent's ``set_option`` request."""
+    global enabled
+    enabled = bool(on)
+
+
 def dist_fastai(line: str = "") -> None:
     """``%dist_fastai on|off``: switch the fastai integration; no argument shows the state."""
-    global enabled
     arg = line.strip().lower()
     if arg in ("on", "true", "1"):
-        enabled = True
+        set_enabled(True)
     elif arg in ("off", "false", "0"):
-        enabled = False
+        set_enabled(False)
     elif arg:
         raise ValueError(f"%dist_fastai {line.strip()!r}: use `%dist_fastai on` or `%dist_fastai off`.")
     print(f"dist_kernel fastai integration: {'on' if enabled else 'off'}")

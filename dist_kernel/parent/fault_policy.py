@@ -1,0 +1,246 @@
+"""Fault policy: what to do about ranks that have not finished a cell. Pure: no I/O, no clock.
+
+The kernel feeds in what it knows (which ranks are busy, finished, dead or stopped, where
+each busy rank waits, the time) and gets back a decision. The rules:
+
+1. **Dead peer.** A rank of the group died while others are busy: stop the survivors
+   (interrupt them; they cannot finish without it), and give up on any still busy a few
+   seconds later.
+2. **Waiting for an idle rank.** A busy rank blocked in a collective whose group holds a rank
+   that is idle (finished the cell, or not selected by ``%%rank``) waits for a rank that will
+   never come. Once every busy rank is blocked in a collective, and at least one of them waits
+   for an idle rank, tear the group down on the idle ranks: the blocked ones raise at once.
+   Grace: ``hang_grace`` after the first rank finished (or after the start, when ``%%rank``
+   left ranks out), 1 s when a finished rank failed.
+3. **Mismatched collectives.** Every busy rank is blocked in a torch.distributed call, none is
+   idle, the calls cannot complete each other (different collectives, different sequence
+   numbers, two ranks each receiving from the other), and nothing changed for half the grace:
+   a deadlock. Tear the group down on every rank. Reported within ``hang_grace``.
+4. **Interrupt.** One second after the stop button, ranks still blocked in a collective did
+   not react to SIGINT (C++ does not return to Python): tear the group down on every rank.
+   Five seconds after it, ranks still busy are left behind so that the cell ends.
+5. **Stopped or silent ranks** (SIGSTOP, a debugger, C code holding the GIL) are named; the
+   group is left alone, since resuming the rank may resume the cell.
+
+A legitimate long collective that every rank is in, and a long computation, are never cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dist_kernel.parent.magics import format_ranks
+
+#: after a finished rank failed, or after an interrupt, how long others may stay busy
+FAST_GRACE = 1.0
+#: after an interrupt and a teardown, how long a rank may stay busy before the cell ends without it
+GIVE_UP_AFTER = 5.0
+#: how long a survivor of a dead peer may take to stop
+STOP_TIMEOUT = 3.0
+P2P = ("send", "recv", "isend", "irecv")
+
+Action = Literal["wait", "stop", "teardown", "abandon"]
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a look at one busy rank found (from its ``where`` reply; ``answered`` False when
+    it did not answer in time)."""
+
+    answered: bool
+    collective: str | None = None
+    group_ranks: tuple[int, ...] = ()
+    peer: int | None = None
+    seq: int | None = None
+    line: str = ""
+
+    @property
+    def blocked(self) -> bool:
+        return self.answered and self.collective is not None
+
+
+@dataclass(frozen=True)
+class Cell:
+    """The state of one cell's run, as the kernel knows it."""
+
+    ranks: tuple[int, ...]  # the ranks running the cell
+    world: tuple[int, ...]  # every rank of the group
+    busy: tuple[int, ...]  # cell ranks that have not finished
+    dead: tuple[int, ...] = ()  # ranks whose process is gone
+    started: float = 0.0
+    first_finished: float | None = None
+    errored: bool = False  # a finished rank's reply was an error
+    interrupted_at: float | None = None
+    hang_grace: float = 10.0
+    torn_down: bool = False  # the group was torn down during this cell
+
+    @property
+    def idle(self) -> tuple[int, ...]:
+        return tuple(r for r in self.world if r not in self.busy and r not in self.dead)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What to do now. ``stuck`` names each rank the action ends, with the reason shown."""
+
+    action: Action
+    stuck: dict[int, str] = field(default_factory=dict)
+    teardown_on: tuple[int, ...] = ()
+    ename: str = "CollectiveHangError"
+
+
+WAIT = Verdict("wait")
+
+
+def look_due(cell: Cell, now: float, last_look: float | None) -> bool:
+    """Is it time to ask the busy ranks where they are?"""
+    if not cell.busy:
+        return False
+    if cell.interrupted_at is not None:
+        return now - cell.interrupted_at >= FAST_GRACE and _spaced(now, last_look, FAST_GRACE)
+    if cell.torn_down:
+        return False  # the blocked ranks raise by themselves
+    if cell.idle:
+        grace = FAST_GRACE if cell.errored else cell.hang_grace
+        since = cell.started if len(cell.ranks) < len(cell.world) or cell.first_finished is None \
+            else cell.first_finished
+        return now - since >= grace and _spaced(now, last_look, grace)
+    # every rank busy: look now and then, so a deadlock is confirmed within the grace
+    every = max(0.5, cell.hang_grace / 2)
+    return now - cell.started >= every and _spaced(now, last_look, every)
+
+
+def _spaced(now: float, last_look: float | None, every: float) -> bool:
+    return last_look is None or now - last_look >= every
+
+
+class Judge:
+    """Applies the rules to one cell's looks; remembers what the previous looks saw."""
+
+    def __init__(self) -> None:
+        self._since: dict[int, tuple[Seen, float]] = {}  # rank -> (what it was seen doing, since when)
+
+    def judge(self, cell: Cell, seen: dict[int, Seen], now: float) -> Verdict:
+        for rank, s in seen.items():
+            prev = self._since.get(rank)
+            if prev is None or prev[0] != s:
+                self._since[rank] = (s, now)
+        busy = [r for r in cell.busy if r not in cell.dead]
+        if cell.dead and busy:
+            return self._dead_peer(cell, busy, seen, now)
+        if cell.interrupted_at is not None:
+            return self._after_interrupt(cell, busy, seen, now)
+        if cell.torn_down:
+            return WAIT
+        if cell.idle:
+            return self._waiting_for_idle(cell, busy, seen)
+        return self._mismatched(cell, busy, seen, now)
+
+    # ---------------------------------------------------------------- rules
+    def _dead_peer(self, cell: Cell, busy: list[int], seen: dict[int, Seen], now: float) -> Verdict:
+        dead = format_ranks(cell.dead)
+        stuck = {}
+        for r in busy:
+            s = seen.get(r)
+            where = f" while waiting in torch.distributed.{s.collective}()" if s and s.blocked else ""
+            stuck[r] = f"rank {r} was stopped{where}: rank {dead} died"
+        return Verdict("stop", stuck, ename="RankDiedError")
+
+    def _after_interrupt(self, cell: Cell, busy: list[int], seen: dict[int, Seen], now: float) -> Verdict:
+        assert cell.interrupted_at is not None
+        if now - cell.interrupted_at >= GIVE_UP_AFTER:
+            return Verdict("abandon", {r: f"rank {r} did not stop after the interrupt; it may still be "
+                                          f"running (restart the kernel if it does not come back)"
+                                       for r in busy}, ename="KeyboardInterrupt")
+        if cell.torn_down:
+            return WAIT
+        if cell.idle:  # the interrupt ended some ranks' cells: the others now wait for them
+            verdict = self._waiting_for_idle(cell, busy, seen)
+            if verdict.action != "wait":
+                return verdict
+        blocked = [r for r in busy if r in seen and seen[r].blocked]
+        if blocked:
+            return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in "
+                                           f"torch.distributed.{seen[r].collective}()" for r in blocked},
+                           teardown_on=tuple(r for r in cell.world if r not in cell.dead),
+                           ename="KeyboardInterrupt")
+        return WAIT
+
+    def _waiting_for_idle(self, cell: Cell, busy: list[int], seen: dict[int, Seen]) -> Verdict:
+        idle = set(cell.idle)
+        if not busy or any(not (r in seen and seen[r].blocked) for r in busy):
+            return WAIT  # someone still computes (or did not answer): it may yet finish
+        waiting = {r: sorted(idle & set(seen[r].group_ranks or cell.world)) for r in busy}
+        if not any(waiting.values()):
+            return WAIT
+        stuck = {r: f"rank {r} was blocked in torch.distributed.{seen[r].collective}(), which rank "
+                    f"{format_ranks(waiting[r] or sorted(idle))} never entered "
+                    f"(idle: finished or not selected by %%rank)" for r in busy}
+        return Verdict("teardown", stuck, teardown_on=tuple(sorted(idle)))
+
+    def _mismatched(self, cell: Cell, busy: list[int], seen: dict[int, Seen], now: float) -> Verdict:
+        if not busy or any(not (r in seen and seen[r].blocked) for r in busy):
+            return WAIT
+        places = {r: seen[r] for r in busy}
+        if _can_complete(places):
+            return WAIT
+        steady = min(now - self._since[r][1] for r in busy)
+        if steady < cell.hang_grace / 2 - 1e-9:
+            return WAIT  # maybe a rank is just passing through; confirm at the next look
+        summary = ", ".join(f"rank {r} in {_call(places[r])}" for r in busy)
+        stuck = {r: f"every rank is blocked in torch.distributed calls that cannot complete each other "
+                    f"({summary})" for r in busy}
+        return Verdict("teardown", stuck, teardown_on=tuple(r for r in cell.world if r not in cell.dead))
+
+
+Reform = Literal["none", "reform", "restart", "later"]
+
+
+def after_cell(torn_down: bool, broke: bool, dead: Iterable[int], left_running: Iterable[int]) -> Reform:
+    """Once a cell has ended: must the group be formed again, and can it be?
+
+    ``none``: the group is fine. ``reform``: it was torn down, or a rank reported that the
+    cell's error broke it: every rank joins a fresh group (variables survive). ``restart``: a
+    rank is dead (also when it died during a re-formation), so no group can form without a new
+    rank. ``later``: a rank is still running the cell the kernel gave up on; the group is
+    formed again once it is back.
+    """
+    if not (torn_down or broke):
+        return "none"
+    if any(True for _ in dead):
+        return "restart"
+    if any(True for _ in left_running):
+        return "later"
+    return "reform"
+
+
+def _call(s: Seen) -> str:
+    extra = []
+    if s.peer is not None:
+        extra.append(("src=" if s.collective in ("recv", "irecv") else "dst=") + str(s.peer))
+    if s.seq is not None:
+        extra.append(f"#{s.seq}")
+    return f"{s.collective}({', '.join(extra)})"
+
+
+def _can_complete(places: dict[int, Seen]) -> bool:
+    """Could the calls these ranks are blocked in complete each other?"""
+    p2p = {r: s for r, s in places.items() if s.collective in P2P}
+    coll = {r: s for r, s in places.items() if s.collective not in P2P}
+    for r, s in p2p.items():  # a send must face a recv from the other side, and vice versa
+        other = p2p.get(s.peer) if s.peer is not None else None
+        sending = s.collective in ("send", "isend")
+        if other is None or other.peer != r or (other.collective in ("send", "isend")) == sending:
+            return False
+    if coll:
+        kinds = {(s.collective, s.group_ranks, s.seq) for s in coll.values()}
+        if len(kinds) != 1:
+            return False
+        (_, group, _), = kinds
+        members = set(group) if group else set(places)
+        if not members <= set(coll):  # a member of its group is elsewhere (a p2p call)
+            return False
+    return True
+

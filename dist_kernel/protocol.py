@@ -1,0 +1,263 @@
+"""Every message that passes between the parent kernel and a rank, besides ordinary Jupyter.
+
+The parent runs cells on a rank with plain Jupyter ``execute_request``s. Everything else it
+needs from a rank (join or re-form the process group, "where is the cell?", status, tear the
+group down, switch cache freeing or the fastai integration) is one typed request below,
+sent on the rank kernel's **control** channel as a ``dist_request`` message and answered
+with one ``dist_reply``. The control channel has its own thread in every ipykernel, so a
+rank answers while its shell runs a long cell or is blocked in a C++ collective.
+
+Wire format (the ``content`` of the Jupyter message; HMAC-signed like every Jupyter message)::
+
+    dist_request  {"version": 1, "op": "<op>", "args": {<the request's fields>}}
+    dist_reply    {"version": 1, "op": "<op>", "status": "ok",    "result": {<the reply's fields>}}
+    dist_reply    {"version": 1, "op": "<op>", "status": "error", "ename": "...", "evalue": "..."}
+
+Both sides validate on receipt (:func:`parse_request`, :func:`parse_reply`): an unknown op,
+a missing or extra field, or a field of the wrong type is a :class:`ProtocolError`; the rank
+answers it with an error reply and keeps working. Nothing here is code: no field is ever
+executed or unpickled. This module imports nothing heavy; both sides import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+VERSION = 1
+REQUEST = "dist_request"
+REPLY = "dist_reply"
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this module (unknown op, bad field)."""
+
+
+# --------------------------------------------------------------------- requests
+@dataclass(frozen=True)
+class Request:
+    """Base of every request; ``op`` names it on the wire."""
+
+    op: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class Join(Request):
+    """Form (or re-form) the process group and define ``rank``, ``world_size``, ``local_rank``,
+    ``device`` in the user's namespace. The first formation (``first``) also seeds every rank
+    alike and installs the fastai integration when ``fastai`` is on. Runs on the rank's main
+    thread (CUDA's current device is per thread); answered when the group has formed."""
+
+    op: ClassVar[str] = "join"
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    store: str  # FileStore path in the kernel's private runtime dir; a new one per formation
+    timeout: float  # collective timeout, seconds
+    use_cuda: bool
+    first: bool
+    seed: int | None = None
+    fastai: bool = False
+
+
+@dataclass(frozen=True)
+class Where(Request):
+    """Where the rank's main thread is: its cell's frames, and the torch.distributed call it
+    is blocked in, if any. Read from the control thread, so it answers during a collective."""
+
+    op: ClassVar[str] = "where"
+
+
+@dataclass(frozen=True)
+class Status(Request):
+    """What ``%dist_status`` shows for the rank, plus the line its cell is on when busy."""
+
+    op: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True)
+class Teardown(Request):
+    """Break the rank's process group, so that every collective on it raises at once: an idle
+    rank destroys it; every rank shuts down its connections to ``peer_pids`` (the other
+    ranks' processes), which frees its own main thread when it is blocked in one."""
+
+    op: ClassVar[str] = "teardown"
+    peer_pids: list[int]
+
+
+@dataclass(frozen=True)
+class SetOption(Request):
+    """Switch a rank-side behaviour at run time: ``empty_cache`` (free the CUDA cache after
+    each cell) or ``fastai`` (the fastai integration)."""
+
+    op: ClassVar[str] = "set_option"
+    name: str
+    on: bool
+
+
+#: every request, by op
+REQUESTS: dict[str, type[Request]] = {c.op: c for c in (Join, Where, Status, Teardown, SetOption)}
+OPTION_NAMES = ("empty_cache", "fastai")
+
+
+# ---------------------------------------------------------------------- replies
+@dataclass(frozen=True)
+class Joined:
+    """Reply to :class:`Join`."""
+
+    device: str
+
+
+@dataclass(frozen=True)
+class Place:
+    """Reply to :class:`Where`.
+
+    ``collective`` is the innermost torch.distributed function the main thread is in (None
+    when it is not in one); ``group_ranks`` the global ranks of the group it was given (the
+    whole world for the default group); ``peer`` the src/dst of a point-to-point call;
+    ``seq`` the group's collective sequence number when torch exposes it, so that two ranks
+    in "the same" collective can be told apart from two ranks in different ones. ``stack``
+    holds the cell's frames, formatted like a traceback; ``line`` the innermost cell line.
+    """
+
+    collective: str | None
+    group_ranks: list[int]
+    peer: int | None
+    seq: int | None
+    stack: list[str]
+    line: str
+    busy: bool  # the main thread is running a cell (not idle in the event loop)
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """Reply to :class:`Status`."""
+
+    pid: int
+    host: str
+    device: str
+    rss_mb: float | None
+    empty_cache: bool
+    busy: bool
+    line: str  # where the cell is, when busy
+    cuda_allocated_mb: float | None = None
+    cuda_reserved_mb: float | None = None
+
+
+@dataclass(frozen=True)
+class Done:
+    """Reply to :class:`Teardown` and :class:`SetOption`: what happened, in words."""
+
+    outcome: str
+
+
+#: the reply type of each op
+REPLIES: dict[str, type] = {"join": Joined, "where": Place, "status": RankStatus,
+                            "teardown": Done, "set_option": Done}
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """A request that failed or did not validate."""
+
+    ename: str
+    evalue: str
+
+
+# --------------------------------------------------------------- (de)serialising
+def request_content(req: Request) -> dict:
+    """The ``dist_request`` content for ``req``."""
+    return {"version": VERSION, "op": req.op, "args": dataclasses.asdict(req)}
+
+
+def reply_content(op: str, result: Any) -> dict:
+    """The ``dist_reply`` content for a result (a reply dataclass) or an :class:`ErrorReply`."""
+    if isinstance(result, ErrorReply):
+        return {"version": VERSION, "op": op, "status": "error", "ename": result.ename, "evalue": result.evalue}
+    return {"version": VERSION, "op": op, "status": "ok", "result": dataclasses.asdict(result)}
+
+
+def parse_request(content: Any) -> Request:
+    """Validate a ``dist_request`` content; raises :class:`ProtocolError`."""
+    op = _envelope(content, {"version", "op", "args"})
+    cls = REQUESTS.get(op)
+    if cls is None:
+        raise ProtocolError(f"unknown op {op!r}; known: {', '.join(REQUESTS)}")
+    req = _build(cls, content["args"])
+    if isinstance(req, SetOption) and req.name not in OPTION_NAMES:
+        raise ProtocolError(f"set_option: unknown option {req.name!r}; known: {', '.join(OPTION_NAMES)}")
+    return req
+
+
+def parse_reply(content: Any, expected_op: str) -> Any:
+    """Validate a ``dist_reply`` content: the reply dataclass, or an :class:`ErrorReply`."""
+    if not isinstance(content, dict):
+        raise ProtocolError("a reply must be a JSON object")
+    status = content.get("status")
+    if status == "error":
+        op = _envelope(content, {"version", "op", "status", "ename", "evalue"})
+        return _build(ErrorReply, {"ename": content["ename"], "evalue": content["evalue"]})
+    op = _envelope(content, {"version", "op", "status", "result"})
+    if status != "ok":
+        raise ProtocolError(f"reply status {status!r} is neither ok nor error")
+    if op != expected_op:
+        raise ProtocolError(f"reply for op {op!r}, expected {expected_op!r}")
+    return _build(REPLIES[op], content["result"])
+
+
+def _envelope(content: Any, keys: set[str]) -> str:
+    if not isinstance(content, dict):
+        raise ProtocolError("a message must be a JSON object")
+    if set(content) != keys:
+        raise ProtocolError(f"fields {sorted(content)}; expected {sorted(keys)}")
+    if content["version"] != VERSION:
+        raise ProtocolError(f"protocol version {content['version']!r}; this side speaks {VERSION}")
+    op = content["op"]
+    if not isinstance(op, str):
+        raise ProtocolError("op must be a string")
+    return op
+
+
+def _build(cls: type, args: Any) -> Any:
+    """Instantiate a dataclass from JSON, checking every field's presence and type."""
+    if not isinstance(args, dict):
+        raise ProtocolError(f"{cls.__name__}: fields must be a JSON object")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    extra = set(args) - set(fields)
+    if extra:
+        raise ProtocolError(f"{cls.__name__}: unknown field(s) {sorted(extra)}")
+    values = {}
+    for name, f in fields.items():
+        if name not in args:
+            if f.default is dataclasses.MISSING:
+                raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
+            continue
+        if not _is(args[name], hints[name]):
+            raise ProtocolError(f"{cls.__name__}.{name}: {args[name]!r} is not {_name(hints[name])}")
+        values[name] = args[name]
+    return cls(**values)
+
+
+def _is(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_is(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_is(v, item) for v in value)
+    if hint is float:  # JSON has one number type
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint)

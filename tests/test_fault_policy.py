@@ -1,0 +1,196 @@
+"""The fault policy, rule by rule: pure decisions, no processes (the real-kernel fault tests
+in test_faults.py and test_wedges.py exercise the same rules end to end)."""
+
+from __future__ import annotations
+
+from dist_kernel.parent.fault_policy import Cell, Judge, Seen, after_cell, look_due
+
+WORLD = (0, 1)
+
+
+def blocked(collective: str, group=(0, 1), seq: int | None = 5, peer: int | None = None) -> Seen:
+    return Seen(answered=True, collective=collective, group_ranks=tuple(group), seq=seq, peer=peer,
+                line="line 2: ...")
+
+
+COMPUTING = Seen(answered=True, collective=None, line="line 3: x = heavy()")
+
+
+def cell(**kw) -> Cell:
+    base = dict(ranks=WORLD, world=WORLD, busy=WORLD, started=0.0, hang_grace=10.0)
+    return Cell(**{**base, **kw})
+
+
+# ------------------------------------------------------------------- when to look
+def test_nothing_is_looked_at_while_every_rank_is_busy_for_less_than_half_the_grace():
+    assert not look_due(cell(), now=4.9, last_look=None)
+    assert look_due(cell(), now=5.0, last_look=None)
+    assert not look_due(cell(), now=6.0, last_look=5.0)
+
+
+def test_a_finished_rank_starts_the_grace_and_a_failed_one_shortens_it():
+    c = cell(busy=(0,), first_finished=2.0)
+    assert not look_due(c, now=11.9, last_look=None)
+    assert look_due(c, now=12.0, last_look=None)
+    failed = cell(busy=(0,), first_finished=2.0, errored=True)
+    assert look_due(failed, now=3.0, last_look=None)
+
+
+def test_ranks_left_out_by_rank_magic_count_from_the_start_of_the_cell():
+    c = cell(ranks=(0,), busy=(0,))
+    assert look_due(c, now=10.0, last_look=None)
+
+
+def test_an_interrupt_is_looked_at_one_second_later_and_every_second_after():
+    c = cell(interrupted_at=20.0)
+    assert not look_due(c, now=20.5, last_look=None)
+    assert look_due(c, now=21.0, last_look=None)
+    assert look_due(c, now=22.0, last_look=21.0)
+
+
+def test_after_a_teardown_the_blocked_ranks_are_left_to_raise():
+    assert not look_due(cell(torn_down=True, busy=(0,), first_finished=0.0), now=100.0, last_look=None)
+
+
+# ------------------------------------------------------ rule 2: waiting for an idle rank
+def test_a_rank_blocked_in_a_collective_that_a_finished_rank_never_entered_is_torn_down_on_the_idle_rank():
+    v = Judge().judge(cell(busy=(0,), first_finished=1.0), {0: blocked("all_reduce")}, now=12.0)
+    assert v.action == "teardown" and v.teardown_on == (1,) and v.ename == "CollectiveHangError"
+    assert "rank 0 was blocked in torch.distributed.all_reduce(), which rank 1 never entered" in v.stuck[0]
+
+
+def test_a_collective_in_a_single_rank_cell_is_torn_down_on_the_ranks_left_out():
+    c = cell(ranks=(0,), busy=(0,))
+    v = Judge().judge(c, {0: blocked("barrier")}, now=10.0)
+    assert v.action == "teardown" and v.teardown_on == (1,)
+
+
+def test_a_long_computation_while_others_finished_is_left_alone():
+    assert Judge().judge(cell(busy=(0,), first_finished=0.0), {0: COMPUTING}, now=60.0).action == "wait"
+
+
+def test_a_sub_group_collective_whose_members_are_all_busy_is_left_alone():
+    c = Cell(ranks=(0, 1, 2), world=(0, 1, 2), busy=(0, 1), first_finished=0.0)
+    seen = {0: blocked("all_reduce", group=(0, 1)), 1: blocked("all_reduce", group=(0, 1))}
+    assert Judge().judge(c, seen, now=60.0).action == "wait"
+
+
+def test_a_sub_group_collective_missing_a_finished_member_is_torn_down():
+    c = Cell(ranks=(0, 1, 2), world=(0, 1, 2), busy=(0, 1), first_finished=0.0)
+    seen = {0: blocked("all_reduce", group=(0, 2)), 1: blocked("all_reduce", group=(1, 2))}
+    v = Judge().judge(c, seen, now=60.0)
+    assert v.action == "teardown" and v.teardown_on == (2,)
+    assert "which rank 2 never entered" in v.stuck[0]
+
+
+def test_a_rank_that_does_not_answer_is_never_torn_down_for():
+    c = cell(busy=(0,), first_finished=0.0)
+    assert Judge().judge(c, {0: Seen(answered=False)}, now=60.0).action == "wait"
+
+
+# ------------------------------------------------------ rule 3: mismatched collectives
+def test_every_rank_in_the_same_collective_is_never_cut_short():
+    j = Judge()
+    seen = {0: blocked("all_reduce", seq=9), 1: blocked("all_reduce", seq=9)}
+    for t in (5.0, 10.0, 500.0):
+        assert j.judge(cell(), seen, now=t).action == "wait"
+
+
+def test_different_collectives_on_every_rank_are_a_deadlock_once_they_hold_for_half_the_grace():
+    j = Judge()
+    seen = {0: blocked("all_reduce", seq=1), 1: blocked("broadcast", seq=1)}
+    assert j.judge(cell(), seen, now=5.0).action == "wait"  # first seen: confirm at the next look
+    v = j.judge(cell(), seen, now=10.0)
+    assert v.action == "teardown" and v.teardown_on == (0, 1)
+    assert "rank 0 in all_reduce(#1), rank 1 in broadcast(#1)" in v.stuck[1]
+
+
+def test_the_same_collective_at_different_sequence_numbers_is_a_deadlock():
+    j = Judge()
+    seen = {0: blocked("all_reduce", seq=4), 1: blocked("all_reduce", seq=5)}
+    j.judge(cell(), seen, now=5.0)
+    assert j.judge(cell(), seen, now=10.0).action == "teardown"
+
+
+def test_ranks_that_merely_pass_through_different_collectives_are_not_a_deadlock():
+    j = Judge()
+    j.judge(cell(), {0: blocked("all_reduce", seq=4), 1: blocked("all_reduce", seq=5)}, now=5.0)
+    moved = {0: blocked("all_reduce", seq=800), 1: blocked("all_reduce", seq=801)}
+    assert j.judge(cell(), moved, now=10.0).action == "wait"
+
+
+def test_two_ranks_each_receiving_from_the_other_are_a_deadlock():
+    j = Judge()
+    seen = {0: blocked("recv", peer=1, seq=None), 1: blocked("recv", peer=0, seq=None)}
+    j.judge(cell(), seen, now=5.0)
+    v = j.judge(cell(), seen, now=10.0)
+    assert v.action == "teardown" and "rank 0 in recv(src=1)" in v.stuck[0]
+
+
+def test_a_send_facing_its_recv_is_left_to_complete():
+    j = Judge()
+    seen = {0: blocked("send", peer=1, seq=None), 1: blocked("recv", peer=0, seq=None)}
+    for t in (5.0, 10.0, 60.0):
+        assert j.judge(cell(), seen, now=t).action == "wait"
+
+
+def test_a_rank_still_computing_keeps_a_mismatch_from_being_called_a_deadlock():
+    j = Judge()
+    seen = {0: blocked("all_reduce"), 1: COMPUTING}
+    for t in (5.0, 10.0, 60.0):
+        assert j.judge(cell(), seen, now=t).action == "wait"
+
+
+# -------------------------------------------------------------- rule 4: interrupt
+def test_an_interrupt_that_a_blocked_rank_cannot_see_tears_the_group_down_everywhere():
+    c = cell(interrupted_at=10.0)
+    seen = {0: blocked("all_reduce", seq=3), 1: blocked("all_reduce", seq=3)}
+    v = Judge().judge(c, seen, now=11.0)
+    assert v.action == "teardown" and v.teardown_on == (0, 1) and v.ename == "KeyboardInterrupt"
+
+
+def test_an_interrupt_that_ends_one_rank_reports_the_other_as_waiting_for_it():
+    c = cell(busy=(0,), first_finished=10.5, interrupted_at=10.0)
+    v = Judge().judge(c, {0: blocked("all_reduce")}, now=11.0)
+    assert v.action == "teardown" and v.ename == "CollectiveHangError" and v.teardown_on == (1,)
+
+
+def test_an_interrupt_during_a_teardown_waits_for_the_ranks_to_raise_then_gives_up():
+    c = cell(interrupted_at=10.0, torn_down=True)
+    seen = {0: blocked("all_reduce"), 1: blocked("all_reduce")}
+    assert Judge().judge(c, seen, now=11.0).action == "wait"
+    v = Judge().judge(c, seen, now=15.0)
+    assert v.action == "abandon" and set(v.stuck) == {0, 1}
+
+
+def test_an_interrupted_rank_that_is_still_computing_is_given_time_then_left_behind():
+    c = cell(busy=(1,), first_finished=10.2, interrupted_at=10.0)
+    assert Judge().judge(c, {1: COMPUTING}, now=12.0).action == "wait"
+    assert Judge().judge(c, {1: COMPUTING}, now=15.0).action == "abandon"
+
+
+# -------------------------------------------------------------- rule 1: dead peer
+def test_survivors_of_a_dead_rank_are_stopped_naming_it_and_where_they_waited():
+    c = Cell(ranks=(0, 1, 2), world=(0, 1, 2), busy=(0, 2), dead=(1,))
+    v = Judge().judge(c, {0: blocked("all_reduce", group=(0, 1, 2)), 2: COMPUTING}, now=1.0)
+    assert v.action == "stop" and v.ename == "RankDiedError"
+    assert v.stuck[0] == "rank 0 was stopped while waiting in torch.distributed.all_reduce(): rank 1 died"
+    assert v.stuck[2] == "rank 2 was stopped: rank 1 died"
+
+
+# -------------------------------------------------------------- after the cell
+def test_a_healthy_group_is_left_as_it_is():
+    assert after_cell(torn_down=False, broke=False, dead=(), left_running=()) == "none"
+
+
+def test_a_torn_down_or_broken_group_is_formed_again():
+    assert after_cell(torn_down=True, broke=False, dead=(), left_running=()) == "reform"
+    assert after_cell(torn_down=False, broke=True, dead=(), left_running=()) == "reform"
+
+
+def test_a_rank_dead_before_or_during_a_reformation_means_a_restart():
+    assert after_cell(torn_down=True, broke=False, dead=(1,), left_running=()) == "restart"
+
+
+def test_a_reformation_waits_for_a_rank_left_running():
+    assert after_cell(torn_down=True, broke=False, dead=(), left_running=(1,)) == "later"

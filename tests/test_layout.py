@@ -1,0 +1,64 @@
+"""The package's layout shows the process boundary (issue 12): read from the imports themselves."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent.parent / "dist_kernel"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every dist_kernel module -> the dist_kernel modules it imports (at any depth of its code)."""
+    graph: dict[str, set[str]] = {}
+    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    for path in PACKAGE.rglob("*.py"):
+        name = _module_name(path)
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def test_no_module_of_the_package_imports_itself_round_in_a_cycle():
+    graph = _imports()
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*path[path.index(nxt):], nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_the_parent_never_imports_what_runs_inside_the_ranks():
+    graph = _imports()
+    crossing = {(m, d) for m, deps in graph.items() if m.startswith("dist_kernel.parent")
+                for d in deps if d.startswith("dist_kernel.rank")}
+    assert crossing == set()
+
+
+def test_the_ranks_never_import_the_parent():
+    graph = _imports()
+    crossing = {(m, d) for m, deps in graph.items() if m.startswith("dist_kernel.rank")
+                for d in deps if d.startswith("dist_kernel.parent")}
+    assert crossing == set()
