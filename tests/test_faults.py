@@ -262,12 +262,14 @@ def test_two_thousand_cells_keep_the_parents_memory_and_files_flat():
 
 
 def test_nothing_is_ever_unpickled():
-    # the parent and the ranks' agent exchange JSON only (Jupyter messages, probe files);
-    # no module of dist_kernel may load pickles, which would execute code from a socket or file
+    # the parent and the ranks exchange JSON only (Jupyter messages, dist_kernel.protocol);
+    # no module of dist_kernel, at any depth, may load pickles, which would execute code
     from pathlib import Path
 
     import dist_kernel
 
-    for path in Path(dist_kernel.__file__).parent.glob("*.py"):
+    paths = list(Path(dist_kernel.__file__).parent.rglob("*.py"))
+    assert any("protocol" in p.name for p in paths) and any("rank" in p.parts for p in paths)
+    for path in paths:
         text = path.read_text()
         assert "import pickle" not in text and "pickle.load" not in text and "cloudpickle" not in text, path
