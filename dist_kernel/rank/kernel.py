@@ -128,8 +128,16 @@ class RankKernel(IPythonKernel):
         self._main_loop.call_soon_threadsafe(call)
         return done
 
+    # Only the parent reads a rank's IOPub, and it needs neither the echo of the code it sent
+    # nor "busy": not sending them halves the messages a cell costs (issue 14). "idle" stays:
+    # it tells the parent a request's output is complete.
+    def _publish_execute_input(self, code: str, parent: dict, execution_count: int) -> None:
+        return
+
     def _publish_status(self, status: str, channel: str, parent: dict | None = None) -> None:
-        # a busy/idle pair per parent request would only be dropped by the parent: skip it
+        if status == "busy":
+            return
+        # nor an idle for the parent's own typed requests, which are answered by their reply
         if channel == "control" and self.get_parent("control").get("header", {}).get("msg_type") == protocol.REQUEST:
             return
         super()._publish_status(status, channel, parent)
