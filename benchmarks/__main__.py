@@ -104,6 +104,12 @@ def run_dist(n: int, plain: Kernel, cfg: dict, res: dict) -> None:
             out["startup"].append(dist_startup(n))
 
 
+#: a plain kernel in which the user formed a (world-1) gloo group: the like-for-like peer of an
+#: idle rank, which holds one too (torch's gloo thread wakes ~100 times a second in either)
+GLOO_GROUP_CELL = ("import os, tempfile, torch.distributed as dist\nos.environ.setdefault('GLOO_SOCKET_IFNAME', 'lo')\n"
+                   "dist.init_process_group('gloo', store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)")
+
+
 def run_idle(plain: Kernel, cfg: dict, res: dict) -> None:
     """Issue 12: a rank's idle CPU and wakeups per second beside a plain ipykernel's, sampled in
     the same window; the parent's for information (it polls its ranks from its own side)."""
@@ -111,25 +117,28 @@ def run_idle(plain: Kernel, cfg: dict, res: dict) -> None:
     n = icfg["ranks"]
     log(f"idle: {n} rank(s) beside the plain ipykernel, {icfg['window']:.0f} s window")
     k = Kernel("dist", n)
+    plain_pg = Kernel("plain")
     gloo = None
     try:
-        # the same cells in both: torch imported (a rank has it for its group), one trivial cell
-        for kern in (plain, k):
+        # the same cells in all: torch imported (a rank has it for its group), one trivial cell
+        for kern in (plain, k, plain_pg):
             kern.check(measure.FIRST_CELL)
             kern.check("x = 1")
+        plain_pg.check(GLOO_GROUP_CELL)
         names = {**measure.thread_names(plain), **measure.thread_names(k), **measure.pyspy_thread_names(k.pid)}
         ranks = measure.rank_pids(k)
         gloo, gloo_names = measure.gloo_idle_process()
         names.update(gloo_names)
         time.sleep(icfg["settle"])  # let the replies, status messages and heartbeats of those cells pass
-        procs = {"plain ipykernel": plain.pid, **{f"rank {r}": pid for r, pid in sorted(ranks.items())},
-                 "dist_kernel parent": k.pid}
+        procs = {"plain ipykernel": plain.pid, "plain ipykernel + gloo group": plain_pg.pid,
+                 **{f"rank {r}": pid for r, pid in sorted(ranks.items())}, "dist_kernel parent": k.pid}
         if gloo.poll() is None:
             procs["python + gloo group, no kernel"] = gloo.pid
         res["idle"] = {"ranks": n, **measure.idle_cost(procs, icfg["window"], names)}
     finally:
         if gloo is not None:
             gloo.communicate(timeout=30)  # closes its stdin: it exits
+        plain_pg.shutdown()
         k.shutdown()
     p = res["idle"]["procs"]
     log("idle: " + "; ".join(f"{label} {v['sched_cpu_per_s'] * 1e3:.2f} ms CPU/s, {v['wakeups_per_s']:.1f} wakeups/s"

@@ -160,10 +160,27 @@ def idle_targets(res: dict) -> list[tuple[str, str, bool | None]]:
             ("idle rank CPU <= plain ipykernel's (issue 12)",
              f"{label} {_cpu(rank) * 1e3:.2f} vs {_cpu(plain) * 1e3:.2f} ms/s",
              _cpu(rank) <= _cpu(plain) + cpu_tol),
+            *_like_for_like(res, label, rank, wake_tol),
             (f"(information) the same, less torch's `{GLOO_LOOP}` thread",
              f"{wake_rest:.1f} vs {plain['wakeups_per_s']:.1f} wakeups/s; {num(cpu_rest * 1e3)} vs "
              f"{_cpu(plain) * 1e3:.2f} ms/s",
              wake_rest <= plain["wakeups_per_s"] + wake_tol and not cpu_rest > _cpu(plain) + cpu_tol)]
+
+
+def _like_for_like(res: dict, label: str, rank: dict, wake_tol: float) -> list[tuple[str, str, bool | None]]:
+    """The rank against a plain ipykernel that also holds a gloo group (torch's loop thread in both)."""
+    peer = res["idle"]["procs"].get("plain ipykernel + gloo group")
+    if peer is None:
+        return []
+    tol = max(wake_tol, 0.1 * peer["wakeups_per_s"])
+    cpu_tol = max(1e-4, 0.1 * _cpu(peer))
+    return [("idle rank wakeups/s <= a plain ipykernel holding a gloo group (like for like)",
+             f"{label} {rank['wakeups_per_s']:.1f} vs {peer['wakeups_per_s']:.1f}/s "
+             f"({ratio(rank['wakeups_per_s'], peer['wakeups_per_s']):.2f}x)",
+             rank["wakeups_per_s"] <= peer["wakeups_per_s"] + tol),
+            ("idle rank CPU <= a plain ipykernel holding a gloo group (like for like)",
+             f"{label} {_cpu(rank) * 1e3:.2f} vs {_cpu(peer) * 1e3:.2f} ms/s",
+             _cpu(rank) <= _cpu(peer) + cpu_tol)]
 
 
 def idle_markdown(res: dict, heading: str = IDLE_SECTION) -> str:
@@ -182,7 +199,9 @@ def idle_markdown(res: dict, heading: str = IDLE_SECTION) -> str:
              "Wakeups: voluntary + nonvoluntary context switches summed over `/proc/PID/task/*/status` (each "
              "time a thread went back to sleep after waking, or was preempted). The parent is shown for "
              "information: it polls its ranks (`/proc`, liveness) every 0.2 s from its own side. The last row "
-             "is a bare `python` (no kernel) holding an idle world-1 gloo group: what torch's gloo costs by itself.",
+             "is a bare `python` (no kernel) holding an idle world-1 gloo group: what torch's gloo costs by itself; "
+             "`plain ipykernel + gloo group` is a plain kernel in which a cell formed such a group, the "
+             "like-for-like peer of a rank.",
              ""]
     rows = []
     for label, v in procs.items():
