@@ -138,6 +138,7 @@ def test_empty_cache_after_each_cell_can_be_switched_off_and_on(kernel2):
 
 
 def test_interrupt_stops_every_busy_rank_once_and_the_kernel_stays_usable(kernel2):
+    kernel2.execute("x = 1")  # ranks ready: the stop button before that ends the waiting cell instead
     threading.Timer(1.0, kernel2.km.interrupt_kernel).start()
     res = kernel2.execute("import time\ntime.sleep(60)", timeout=30)
     (err,) = res.of_type("error")

@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 from collections import deque
+from datetime import datetime
 from typing import Any
 
 from ipykernel.kernelbase import Kernel
@@ -72,6 +73,7 @@ class DistributedKernel(Kernel):
         self._displays = DisplayRegistry()  # display ids live across cells
         self._listening: deque[tuple[int, str]] = deque()  # (rank, msg_id) of recent requests
         self._start_interrupted = asyncio.Event()  # the stop button while the ranks start
+        self._waiting: dict | None = None  # the request of a cell waiting for the ranks to start
         self._left_running: set[int] = set()  # ranks whose cell was given up on (abandoned)
         self._exiting = False
         self._reform_pending = False  # a re-formation waits for a rank that was left running
@@ -134,11 +136,13 @@ class DistributedKernel(Kernel):
         if not sup.ready.is_set():
             # the stop button while the ranks start ends this cell, never a starting rank
             self._start_interrupted.clear()
+            self._waiting = self.get_parent("shell")
             ready = asyncio.ensure_future(sup.ready.wait())
             stop = asyncio.ensure_future(self._start_interrupted.wait())
             await asyncio.wait([ready, stop], return_when=asyncio.FIRST_COMPLETED)
             for task in (ready, stop):
                 task.cancel()
+            self._waiting = None
             if not sup.ready.is_set():
                 return error_content("KeyboardInterrupt", "interrupted while the ranks were starting; they "
                                      "go on starting, and the next cell runs on them")
@@ -520,12 +524,14 @@ class DistributedKernel(Kernel):
         content: dict = {"status": "ok"}
         if self.supervisor is not None:
             try:
-                await asyncio.wait_for(self._on_main(self._interrupt_busy()), 5)
+                # the stop button acts on what ran when it was pressed: a cell the frontend sent
+                # after it (its request can reach the parent first) must not be hit
+                await asyncio.wait_for(self._on_main(self._interrupt_busy(_sent(parent))), 5)
             except Exception as e:  # noqa: BLE001
                 content = {"status": "error", "ename": type(e).__name__, "evalue": str(e), "traceback": []}
         self.session.send(stream, "interrupt_reply", content, parent, ident=ident)
 
-    async def _interrupt_busy(self) -> None:
+    async def _interrupt_busy(self, pressed: datetime | None = None) -> None:
         """The stop button. Before the ranks are ready it ends the waiting cell and never
         signals a starting rank; during a cell it signals the busy ranks (the fault policy
         tears the group down for those a collective keeps from reacting); between cells it
@@ -533,9 +539,12 @@ class DistributedKernel(Kernel):
         sup = self.supervisor
         assert sup is not None
         if not sup.ready.is_set():
-            self._start_interrupted.set()
+            if self._waiting is not None and not _before(pressed, self._waiting):
+                self._start_interrupted.set()
             return
         run = self._current
+        if run is not None and _before(pressed, run.parent):
+            return  # pressed before this cell was sent: meant for what ran then, or for nothing
         if run is None:
             await sup.interrupt(sorted(self._left_running))
             return
@@ -672,3 +681,19 @@ def _seen(place: Any) -> fault_policy.Seen:
         return fault_policy.Seen(answered=False)
     return fault_policy.Seen(answered=True, collective=place.collective, group_ranks=tuple(place.group_ranks),
                              peer=place.peer, seq=place.seq, line=place.line)
+
+
+def _sent(msg: dict) -> datetime | None:
+    """When the frontend sent a request (its header's date), if it says."""
+    date = msg.get("header", {}).get("date")
+    return date if isinstance(date, datetime) else None
+
+
+def _before(pressed: datetime | None, request: dict) -> bool:
+    """Was the stop button pressed before the frontend sent ``request``? (Both dates are the
+    frontend's own clock; unknown dates count as not before.)"""
+    sent = _sent(request)
+    try:
+        return pressed is not None and sent is not None and pressed < sent
+    except TypeError:  # one naive, one aware
+        return False
