@@ -149,36 +149,35 @@ def idle_targets(res: dict) -> list[tuple[str, str, bool | None]]:
         return []
     label, rank, plain = w
     window = res["idle"]["window_s"]
-    wake_tol = max(1 / window, 0.1 * plain["wakeups_per_s"])
     fine = _ok(rank.get("sched_cpu_per_s", float("nan")))
-    cpu_tol = max(1e-4 if fine else 1 / 100 / window, 0.1 * _cpu(plain))
+    wake_tol, cpu_tol = _tolerances(plain, window, fine)
     wake_rest, cpu_rest = _without_gloo(rank)
-    return [("idle rank wakeups/s <= plain ipykernel's (issue 12)",
-             f"{label} {rank['wakeups_per_s']:.1f} vs {plain['wakeups_per_s']:.1f}/s "
-             f"({ratio(rank['wakeups_per_s'], plain['wakeups_per_s']):.2f}x)",
-             rank["wakeups_per_s"] <= plain["wakeups_per_s"] + wake_tol),
-            ("idle rank CPU <= plain ipykernel's (issue 12)",
-             f"{label} {_cpu(rank) * 1e3:.2f} vs {_cpu(plain) * 1e3:.2f} ms/s",
-             _cpu(rank) <= _cpu(plain) + cpu_tol),
-            *_like_for_like(res, label, rank, wake_tol),
+    rows = _compare(label, rank, plain, "plain ipykernel's (issue 12)", window, fine)
+    peer = res["idle"]["procs"].get("plain ipykernel + gloo group")
+    if peer is not None:  # like for like: torch's gloo loop thread in both
+        rows += _compare(label, rank, peer, "a plain ipykernel holding a gloo group (like for like)", window, fine)
+    return [*rows,
             (f"(information) the same, less torch's `{GLOO_LOOP}` thread",
              f"{wake_rest:.1f} vs {plain['wakeups_per_s']:.1f} wakeups/s; {num(cpu_rest * 1e3)} vs "
              f"{_cpu(plain) * 1e3:.2f} ms/s",
              wake_rest <= plain["wakeups_per_s"] + wake_tol and not cpu_rest > _cpu(plain) + cpu_tol)]
 
 
-def _like_for_like(res: dict, label: str, rank: dict, wake_tol: float) -> list[tuple[str, str, bool | None]]:
-    """The rank against a plain ipykernel that also holds a gloo group (torch's loop thread in both)."""
-    peer = res["idle"]["procs"].get("plain ipykernel + gloo group")
-    if peer is None:
-        return []
-    tol = max(wake_tol, 0.1 * peer["wakeups_per_s"])
-    cpu_tol = max(1e-4, 0.1 * _cpu(peer))
-    return [("idle rank wakeups/s <= a plain ipykernel holding a gloo group (like for like)",
+def _tolerances(peer: dict, window: float, fine: bool) -> tuple[float, float]:
+    """Noise allowed above ``peer`` (see :func:`idle_targets`): wakeups/s, CPU s/s."""
+    return (max(1 / window, 0.1 * peer["wakeups_per_s"]),
+            max(1e-4 if fine else 1 / 100 / window, 0.1 * _cpu(peer)))
+
+
+def _compare(label: str, rank: dict, peer: dict, what: str, window: float,
+             fine: bool) -> list[tuple[str, str, bool | None]]:
+    """The two target rows (wakeups, CPU) of an idle rank against one peer process."""
+    wake_tol, cpu_tol = _tolerances(peer, window, fine)
+    return [(f"idle rank wakeups/s <= {what}",
              f"{label} {rank['wakeups_per_s']:.1f} vs {peer['wakeups_per_s']:.1f}/s "
              f"({ratio(rank['wakeups_per_s'], peer['wakeups_per_s']):.2f}x)",
-             rank["wakeups_per_s"] <= peer["wakeups_per_s"] + tol),
-            ("idle rank CPU <= a plain ipykernel holding a gloo group (like for like)",
+             rank["wakeups_per_s"] <= peer["wakeups_per_s"] + wake_tol),
+            (f"idle rank CPU <= {what}",
              f"{label} {_cpu(rank) * 1e3:.2f} vs {_cpu(peer) * 1e3:.2f} ms/s",
              _cpu(rank) <= _cpu(peer) + cpu_tol)]
 

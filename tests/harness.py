@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -134,3 +136,12 @@ def kernel_for_module(*options: str) -> Iterator[DistKernel]:
         yield k
     finally:
         k.shutdown()
+
+
+def end_process_tree(proc: subprocess.Popen) -> None:
+    """A test's subprocess (a runner, say) that may still run: kill it and everything it started."""
+    if proc.poll() is None:
+        for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    proc.wait()

@@ -22,7 +22,7 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
-from harness import DistKernel
+from harness import DistKernel, end_process_tree
 
 from dist_kernel.parent import cleanup
 from dist_kernel.parent.reaper import reap, write_pids
@@ -337,11 +337,7 @@ def test_run_works_with_a_long_tmpdir_and_a_long_jupyter_runtime_dir_and_leaves_
     try:
         out, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:  # failed: end the runner and the kernel it started
-            for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-                with contextlib.suppress(psutil.Error):
-                    p.kill()
-        proc.wait()
+        end_process_tree(proc)  # failed: end the runner and the kernel it started
         subprocess.run(["rm", "-rf", str(base)], check=False)
     assert proc.returncode == 0, err
     assert out == "2\n"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import subprocess
@@ -12,8 +11,8 @@ import time
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
+from harness import end_process_tree
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -100,11 +99,7 @@ def test_run_shows_a_cells_output_as_it_arrives_between_the_cells_place_and_time
         for t in readers:
             t.join(timeout=10)
     finally:
-        if proc.poll() is None:  # failed: end the runner and the kernel it started
-            for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-                with contextlib.suppress(psutil.Error):
-                    p.kill()
-        proc.wait()
+        end_process_tree(proc)  # failed: end the runner and the kernel it started
     out = {text: t for t, text in lines["stdout"]}
     rules = [text for _, text in lines["stderr"] if text.startswith("──")]
     # stdout holds the notebook's output only, merged across ranks as in the notebook
