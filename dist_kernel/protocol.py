@@ -56,7 +56,9 @@ class Join(Request):
     world_size: int
     local_rank: int
     backend: str
-    store: str  # FileStore path in the kernel's private runtime dir; a new one per formation
+    #: where the ranks meet, a new one per formation: a FileStore path in the kernel's private
+    #: runtime dir (one machine), or ``tcp://HOST:PORT/PREFIX``: rank 0 hosts a TCPStore there
+    store: str
     timeout: float  # collective timeout, seconds
     use_cuda: bool
     first: bool
@@ -87,6 +89,8 @@ class Teardown(Request):
 
     op: ClassVar[str] = "teardown"
     peer_pids: list[int]
+    #: the addresses of other machines that hold peer ranks (pids mean nothing across machines)
+    peer_hosts: list[str] | None = None
 
 
 @dataclass(frozen=True)

@@ -102,3 +102,175 @@ def test_a_huge_rank_range_is_refused_without_building_it():
     # building the range first would need terabytes: this would never return
     with pytest.raises(RankSpecError, match="rank 2-100000000000 does not exist"):
         parse_rank_spec("0-100000000000", 2)
+
+
+def remote(**kw):
+    """Resolve options for ranks on other machines (this machine shows no GPU)."""
+    return config.resolve(ns(**kw), environ={}, available_gpus=[])
+
+
+class TestSeveralMachines:
+    def test_local_is_the_default_and_unchanged(self):
+        c = config.resolve(ns(), environ={}, available_gpus=[0, 1])
+        assert (c.launcher, c.nodes, c.ranks_per_node, c.hosts, c.slurm_args) == ("local", 1, 2, (), ())
+        assert (c.listen, c.port_range, c.remote) == (None, None, False)
+        assert [c.node_of(r) for r in range(2)] == [0, 0]
+        assert [c.local_rank_of(r) for r in range(2)] == [0, 1]
+        assert c.describe() == "2 ranks, backend nccl, devices: physical GPU 0, physical GPU 1"
+
+    def test_a_config_built_by_hand_has_one_node_of_all_ranks(self):
+        c = config.KernelConfig(world_size=3, backend="gloo")
+        assert (c.nodes, c.ranks_per_node, c.local_rank_of(2), c.node_of(2)) == (1, 3, 2, 0)
+
+    def test_local_ranks_per_node_is_the_rank_count(self):
+        assert config.resolve(ns(ranks_per_node=3), environ={}, available_gpus=[]).world_size == 3
+        with pytest.raises(ConfigError, match="--ranks-per-node 3 differs from --ranks 2"):
+            config.resolve(ns(ranks=2, ranks_per_node=3), environ={}, available_gpus=[])
+
+    def test_slurm_nodes_times_ranks_per_node_numbered_node_major(self):
+        c = remote(launcher="slurm", nodes=2, ranks_per_node=2)
+        assert (c.world_size, c.nodes, c.ranks_per_node, c.remote) == (4, 2, 2, True)
+        assert [c.node_of(r) for r in range(4)] == [0, 0, 1, 1]
+        assert [c.local_rank_of(r) for r in range(4)] == [0, 1, 0, 1]
+        assert c.describe() == "4 ranks on 2 nodes (slurm, 2 per node), backend gloo, devices: CPU"
+
+    def test_remote_default_is_one_cpu_gloo_rank_per_node_whatever_this_machine_has(self):
+        c = config.resolve(ns(launcher="slurm", nodes=2), environ={}, available_gpus=[0, 1, 2, 3])
+        assert (c.world_size, c.ranks_per_node, c.gpus, c.backend) == (2, 1, (), "gloo")
+
+    def test_remote_gpus_are_ids_on_each_node_not_checked_here(self):
+        c = remote(launcher="slurm", nodes=2, gpus="0,1,2,3")
+        assert (c.world_size, c.ranks_per_node, c.backend, c.gpus) == (8, 4, "nccl", (0, 1, 2, 3))
+        assert [c.device_for(r) for r in (0, 3, 4, 7)] == ["cuda:0", "cuda:3", "cuda:0", "cuda:3"]
+        assert "GPU 0,1,2,3 on each node" in c.describe()
+
+    def test_remote_gpus_beyond_the_ranks_per_node_are_dropped(self):
+        c = remote(launcher="slurm", nodes=2, ranks_per_node=2, gpus="4,5,6")
+        assert c.gpus == (4, 5) and c.world_size == 4
+
+    def test_ranks_are_split_over_the_nodes(self):
+        c = remote(launcher="slurm", nodes=2, ranks=6)
+        assert (c.world_size, c.ranks_per_node) == (6, 3)
+
+    def test_ssh_nodes_are_the_hosts(self):
+        c = remote(launcher="ssh", hosts="node1, node2", ranks_per_node=1)
+        assert (c.hosts, c.nodes, c.world_size) == (("node1", "node2"), 2, 2)
+        assert c.describe() == "2 ranks on 2 nodes (node1, node2) (ssh, 1 per node), backend gloo, devices: CPU"
+        assert remote(launcher="ssh", hosts="a,b", nodes=2).nodes == 2
+
+    def test_slurm_args_are_split_like_a_shell(self):
+        c = remote(launcher="slurm", slurm_args="--partition gpu --time 2:00:00 --comment 'two words' -w n[1-2]")
+        assert c.slurm_args == ("--partition", "gpu", "--time", "2:00:00", "--comment", "two words", "-w", "n[1-2]")
+
+    def test_listen_and_port_range(self):
+        c = remote(launcher="slurm", listen="10.0.0.5", port_range="29500-29509")
+        assert (c.listen, c.port_range) == ("10.0.0.5", (29500, 29509))
+        assert remote(launcher="ssh", hosts="a", listen="head.cluster.local").listen == "head.cluster.local"
+        assert remote(launcher="ssh", hosts="a", listen="fd00::5").listen == "fd00::5"
+
+    def test_loopback_listen_is_allowed_but_unused_with_local(self):
+        c = remote(listen="127.0.0.1", port_range="5000-5000")
+        assert (c.listen, c.port_range, c.remote) == ("127.0.0.1", (5000, 5000), False)
+
+    def test_environment_overrides_the_new_options(self):
+        c = config.resolve(ns(), environ={"DIST_KERNEL_LAUNCHER": "ssh", "DIST_KERNEL_HOSTS": "x,y",
+                                          "DIST_KERNEL_RANKS_PER_NODE": "2"}, available_gpus=[])
+        assert (c.launcher, c.hosts, c.world_size) == ("ssh", ("x", "y"), 4)
+
+    @pytest.mark.parametrize("kw,message", [
+        ({"launcher": "mpirun"}, r"--launcher 'mpirun' is unknown; use one of local, slurm, ssh"),
+        ({"nodes": 2}, "--nodes 2 needs ranks on other machines; use --launcher slurm or ssh"),
+        ({"launcher": "slurm", "nodes": 0}, "--nodes 0 must be at least 1"),
+        ({"launcher": "slurm", "ranks_per_node": 0}, "--ranks-per-node 0 must be at least 1"),
+        ({"launcher": "slurm", "ranks_per_node": "x"}, "--ranks-per-node 'x' is not a whole number"),
+        ({"launcher": "ssh"}, "--launcher ssh needs --hosts"),
+        ({"hosts": "a,b"}, "--hosts a,b is for --launcher ssh"),
+        ({"launcher": "slurm", "hosts": "a,b"}, "--nodelist"),
+        ({"launcher": "ssh", "hosts": "a,,b"}, "empty host name"),
+        ({"launcher": "ssh", "hosts": "a,b,a"}, "--hosts names a twice"),
+        ({"launcher": "ssh", "hosts": "a,-oProxyCommand=x"}, "is not a host name"),
+        ({"launcher": "ssh", "hosts": "a,b", "nodes": 3}, "--nodes 3 does not match the 2 host"),
+        ({"launcher": "ssh", "hosts": "a", "slurm_args": "-p gpu"}, "--slurm-args is for --launcher slurm"),
+        ({"slurm_args": "-p gpu"}, "--slurm-args is for --launcher slurm"),
+        ({"launcher": "slurm", "slurm_args": "--comment 'open"}, "cannot be parsed"),
+        ({"launcher": "slurm", "nodes": 2, "ranks": 5}, "--ranks 5 cannot be split evenly over 2 nodes"),
+        ({"launcher": "slurm", "nodes": 2, "ranks": 6, "ranks_per_node": 2}, r"--ranks 6 is not --nodes 2 x --ranks-per-node 2 = 4"),
+        ({"launcher": "slurm", "gpus": "0,x"}, "GPU ids on each node"),
+        ({"launcher": "slurm", "gpus": "-1"}, "GPU ids on each node"),
+        ({"launcher": "slurm", "gpus": "0,0"}, "lists a GPU twice"),
+        ({"launcher": "slurm", "backend": "nccl"}, "name the GPU ids on each node with --gpus"),
+        ({"launcher": "slurm", "gpus": "0,1", "ranks_per_node": 3}, "--ranks-per-node 3 with nccl needs 3 GPUs on each node"),
+        ({"launcher": "slurm", "listen": "127.0.0.1"}, "classic listener bound to localhost"),
+        ({"launcher": "slurm", "listen": "127.0.1.1"}, "loopback"),
+        ({"launcher": "ssh", "hosts": "a", "listen": "::1"}, "loopback"),
+        ({"launcher": "ssh", "hosts": "a", "listen": "localhost"}, "loopback"),
+        ({"launcher": "slurm", "listen": "0.0.0.0"}, "not an address the nodes can connect to"),
+        ({"launcher": "slurm", "listen": "10.0.0.5:5000"}, "without port"),
+        ({"launcher": "slurm", "listen": "[fd00::5]"}, "without port"),
+        ({"launcher": "slurm", "listen": "tcp://10.0.0.5"}, "without port"),
+        ({"launcher": "slurm", "listen": "bad host"}, "neither an IP address nor a host name"),
+        ({"launcher": "slurm", "port_range": "29500"}, "must be two port numbers A-B"),
+        ({"launcher": "slurm", "port_range": "a-b"}, "must be two port numbers A-B"),
+        ({"launcher": "slurm", "port_range": "80-90"}, "1024 <= A <= B <= 65535"),
+        ({"launcher": "slurm", "port_range": "30000-29000"}, "1024 <= A <= B <= 65535"),
+        ({"launcher": "slurm", "port_range": "60000-70000"}, "1024 <= A <= B <= 65535"),
+        ({"launcher": "slurm", "port_range": "29500-29500"}, "at least 2"),
+        ({"port_range": "1-2"}, "1024 <= A <= B <= 65535"),
+        ({"listen": "a:1"}, "without port"),
+    ])
+    def test_bad_options_name_the_option_and_the_fix(self, kw, message):
+        with pytest.raises(ConfigError, match=message) as e:
+            remote(**kw)
+        assert "restart the kernel" in str(e.value)
+
+    @pytest.mark.parametrize("arg", [
+        "--nodes 2", "--nodes=2", "-N 2", "-N2", "--ntasks 4", "--ntasks=4", "-n4", "-n 4",
+        "--ntasks-per-node 2", "--ntasks-per-node=2", "--ntasks-per-gpu=1", "--input none", "-i none",
+        "--output x.log", "--output=x.log", "-o x.log", "--error x.log", "-e x.log", "--jobid 12", "--jobid=12",
+    ])
+    def test_slurm_args_may_not_set_what_the_kernel_sets(self, arg):
+        with pytest.raises(ConfigError, match="which the kernel sets itself") as e:
+            remote(launcher="slurm", slurm_args=f"--partition gpu {arg}")
+        if arg.startswith(("--nodes", "-N", "--ntasks", "-n")):
+            assert "--nodes and --ranks-per-node instead" in str(e.value)
+
+    @pytest.mark.parametrize("arg", ["--nodelist n[1-2]", "-w n1", "--exclusive", "--gres gpu:4", "--mem=0",
+                                     "--export=ALL", "--account=proj", "-t 10"])
+    def test_other_slurm_args_pass(self, arg):
+        # (on a command line, a value that starts with "-" is written --slurm-args="--exclusive")
+        c = config.resolve(argparse.Namespace(launcher="slurm", slurm_args=arg), environ={}, available_gpus=[])
+        assert c.slurm_args == tuple(arg.split())
+
+    def test_a_value_that_starts_with_a_dash_survives_kernel_json(self):
+        from dist_kernel.cli import _parser
+
+        parsed = _parser().parse_args(["install", "--launcher", "slurm", "--slurm-args=--exclusive"])
+        argv = config.option_argv(parsed)
+        assert argv == ["--launcher", "slurm", "--slurm-args=--exclusive"]
+        again = _parser().parse_args(["kernel", "-f", "x.json", *argv])
+        assert config.resolve(again, environ={}, available_gpus=[]).slurm_args == ("--exclusive",)
+
+    def test_new_options_reach_the_cli_and_kernel_json(self):
+        from dist_kernel.cli import _parser
+
+        parsed = _parser().parse_args(["install", "--launcher", "slurm", "--nodes", "2", "--ranks-per-node", "4",
+                                       "--gpus", "0,1,2,3", "--slurm-args", "--partition gpu --time 2:00:00",
+                                       "--listen", "10.0.0.5", "--port-range", "29500-29509"])
+        argv = config.option_argv(parsed)
+        assert argv == ["--gpus", "0,1,2,3", "--launcher", "slurm", "--nodes", "2", "--ranks-per-node", "4",
+                        "--slurm-args=--partition gpu --time 2:00:00", "--listen", "10.0.0.5",
+                        "--port-range", "29500-29509"]
+        c = config.resolve(_parser().parse_args(["kernel", "-f", "x.json", *argv]), environ={}, available_gpus=[])
+        assert (c.world_size, c.backend, c.slurm_args[:2]) == (8, "nccl", ("--partition", "gpu"))
+        hosts = _parser().parse_args(["run", "nb.ipynb", "--launcher", "ssh", "--hosts", "n1,n2"])
+        assert config.option_argv(hosts) == ["--launcher", "ssh", "--hosts", "n1,n2"]
+
+
+def test_the_readme_configuration_table_lists_every_option():
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("| `--"))
+    for name, var in config.ENV_OVERRIDES.items():
+        assert f"`--{name.replace('_', '-')}" in table and f"`{var}`" in table, name

@@ -74,6 +74,7 @@ class DistributedKernel(Kernel):
         self._listening: deque[tuple[int, str]] = deque()  # (rank, msg_id) of recent requests
         self._start_interrupted = asyncio.Event()  # the stop button while the ranks start
         self._waiting: dict | None = None  # the request of a cell waiting for the ranks to start
+        self._start_notes: list[str] = []  # what the launcher said while the ranks start (the Slurm queue)
         self._left_running: set[int] = set()  # ranks whose cell was given up on (abandoned)
         self._exiting = False
         self._reform_pending = False  # a re-formation waits for a rank that was left running
@@ -104,7 +105,7 @@ class DistributedKernel(Kernel):
             self.output_policy = cfg.rich_output
             self.supervisor = RankSupervisor(cfg, self._on_unrouted, self._on_rank_death, log=self.log,
                                              on_stdin=self._on_rank_stdin, on_stopped=self._on_rank_stopped,
-                                             extra_argv=self.extra_argv)
+                                             extra_argv=self.extra_argv, on_note=self._on_start_note)
             atexit.register(self.supervisor.cleanup_sync)
             # one output budget for the kernel's life (late output of background threads
             # counts too); spill files live in the private runtime dir, removed at shutdown
@@ -137,6 +138,8 @@ class DistributedKernel(Kernel):
             # the stop button while the ranks start ends this cell, never a starting rank
             self._start_interrupted.clear()
             self._waiting = self.get_parent("shell")
+            for text in self._start_notes:
+                self._publish(self._waiting, "stream", {"name": "stderr", "text": f"[dist_kernel] {text}\n"})
             ready = asyncio.ensure_future(sup.ready.wait())
             stop = asyncio.ensure_future(self._start_interrupted.wait())
             await asyncio.wait([ready, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -150,7 +153,7 @@ class DistributedKernel(Kernel):
             return error_content("RankStartError", sup.start_error)
         dead = [r for r in sup.ranks.values() if not r.alive]
         if dead:
-            what = "; ".join(f"rank {r.rank} (pid {r.pid}) {r.exit_reason}" for r in dead)
+            what = "; ".join(f"rank {r.rank} ({r.where}) {r.exit_reason}" for r in dead)
             return error_content(
                 "RankDiedError", what,
                 ["The process group cannot continue without it. Restart the kernel "
@@ -271,7 +274,7 @@ class DistributedKernel(Kernel):
         seen = {r: _seen(p) for r, p in places.items()}
         for r, s in seen.items():
             if not s.answered and not sup.ranks[r].stopped:
-                self._notice(run, f"rank {r} (pid {sup.ranks[r].pid}) does not answer "
+                self._notice(run, f"rank {r} ({sup.ranks[r].where}) does not answer "
                                   f"({state_words(sup.ranks[r].process.os_state())}): it may be stuck in C code "
                                   "that holds the GIL. Press stop to end the cell, or restart the kernel.", key=("silent", r))
         verdict = run.judge.judge(run.state(), seen, run.clock())
@@ -355,9 +358,16 @@ class DistributedKernel(Kernel):
         if run is not None:
             r = self.supervisor.ranks[rank] if self.supervisor else None
             tail = r.log_tail(15) if r else ""
-            run.on_rank_lost(rank, "RankDiedError", f"rank {rank} (pid {r.pid if r else '?'}) {reason}",
+            run.on_rank_lost(rank, "RankDiedError", f"rank {rank} ({r.where if r else 'pid ?'}) {reason}",
                              (f"Last output of the rank process:\n{tail}\n" if tail.strip() else "")
                              + "Restart the kernel to start fresh ranks; the group cannot continue without it.")
+
+    def _on_start_note(self, text: str) -> None:
+        """The launcher's news while the ranks start (waiting in the Slurm queue, job id): shown
+        in the cell that waits for them, or in the first cell."""
+        self._start_notes.append(text)
+        if self._waiting is not None:
+            self._publish(self._waiting, "stream", {"name": "stderr", "text": f"[dist_kernel] {text}\n"})
 
     def _on_rank_stopped(self, rank: int, state: str) -> None:
         """A rank was stopped (``state`` in words) or runs again (``state`` empty)."""
@@ -375,7 +385,7 @@ class DistributedKernel(Kernel):
     def _notice_stopped(self, run: CellRun, rank: int) -> None:
         assert self.supervisor is not None
         r = self.supervisor.ranks[rank]
-        self._notice(run, f"rank {rank} (pid {r.pid}) is {r.stopped or 'stopped'} (SIGSTOP or a debugger): "
+        self._notice(run, f"rank {rank} ({r.where}) is {r.stopped or 'stopped'} (SIGSTOP or a debugger): "
                           f"the cell waits for it. Resume it with `kill -CONT {r.pid}`, press stop to end the "
                           "cell without it, or restart the kernel.", key=("stopped", rank))
 

@@ -20,9 +20,10 @@ from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 
 from dist_kernel.options import KernelConfig
+from dist_kernel.placement import rank_env
 
 #: gloo and NCCL talk over loopback: every rank of a local kernel is on this machine
-LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+LOOPBACK = "lo"
 
 
 class _RankSpecManager(KernelSpecManager):
@@ -75,6 +76,10 @@ class RankProcess:
 
     async def is_alive(self) -> bool:
         return self.km.has_kernel and await self.km.is_alive()
+
+    async def has_exited(self) -> bool:
+        """True once a started process has ended."""
+        return self.km.has_kernel and not await self.km.is_alive()
 
     def os_state(self) -> str:
         """The process state letter from /proc (``T`` when stopped); "" when unknown."""
@@ -134,31 +139,10 @@ class LocalLauncher:
     def env(self, rank: int) -> dict[str, str]:
         """A rank's environment: what torchrun sets, plus the kernel's own variables."""
         cfg = self.config
-        env = dict(os.environ)  # KernelManager(env=...) replaces the whole environment
-        env.update({
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.world_size),
-            "LOCAL_WORLD_SIZE": str(cfg.world_size), "GROUP_RANK": "0", "NODE_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1", "JPY_PARENT_PID": str(os.getpid()),
-            "DIST_KERNEL_RANK": str(rank), "PYTHONUNBUFFERED": "1",
-            # inherited by everything a rank starts (DataLoader workers, subprocesses): lets a
-            # clean-up find them even after the rank, its parent and the reaper are gone
-            "DIST_KERNEL_RUNTIME_DIR": self.runtime_dir,
-        })
-        for key, value in LOOPBACK_ENV.items():
-            env.setdefault(key, value)
-        # as torchrun does: N ranks each using every core would oversubscribe the CPU N-fold
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.world_size)))
-        if cfg.gpus:
-            # the same mask for every rank, so LOCAL_RANK indexes it (what accelerate expects)
-            parent_mask = [p.strip() for p in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if p.strip()]
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(
-                parent_mask[g] if parent_mask else str(g) for g in cfg.gpus)
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-            # accelerate (and fastai's distrib_ctx, built on it) only trains data-parallel on CPU
-            # when told to; otherwise it would see "no GPU" and train each rank alone
-            env.setdefault("ACCELERATE_USE_CPU", "true")
-        return env
+        # KernelManager(env=...) replaces the whole environment; gloo and NCCL talk over loopback
+        return rank_env(dict(os.environ), rank=rank, ranks_per_node=cfg.world_size, world_size=cfg.world_size,
+                        master_addr="127.0.0.1", master_port=None, runtime_dir=self.runtime_dir,
+                        parent_pid=os.getpid(), gpus=cfg.gpus, ifname=LOOPBACK)
 
     async def launch(self, rank: int) -> RankProcess:
         """Start rank ``rank``; returns once its process exists (not yet ready)."""

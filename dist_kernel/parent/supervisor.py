@@ -28,6 +28,7 @@ from dist_kernel.parent.channels import RankChannel
 from dist_kernel.parent.cleanup import kill_kernel_processes, make_runtime_dir, sweep
 from dist_kernel.parent.launcher import LocalLauncher, RankProcess, describe_exit, state_words
 from dist_kernel.parent.reaper import write_pids
+from dist_kernel.parent.remote import RemoteLauncher, RemoteRankProcess
 
 LOG_TAIL_LINES = 30
 #: how long a rank may take to answer a quick typed request (where, status, teardown)
@@ -41,7 +42,7 @@ class Rank:
     """One rank, as the parent knows it."""
 
     rank: int
-    process: RankProcess
+    process: RankProcess | RemoteRankProcess
     channel: RankChannel | None = None
     exit_reason: str | None = None
     device: str = ""
@@ -55,6 +56,21 @@ class Rank:
     def alive(self) -> bool:
         return self.exit_reason is None
 
+    @property
+    def host(self) -> str:
+        """The machine of a rank on another machine ("" on this one)."""
+        return getattr(self.process, "host", "")
+
+    @property
+    def host_address(self) -> str:
+        node = getattr(self.process, "node", None)
+        return node.address if node is not None else ""
+
+    @property
+    def where(self) -> str:
+        """The words that find the process: its pid, and its host when it is elsewhere."""
+        return f"pid {self.pid} on {self.host}" if self.host else f"pid {self.pid}"
+
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return self.process.log_tail(lines)
 
@@ -66,7 +82,7 @@ class RankSupervisor:
                  on_death: Callable[[int, str], None], log: logging.Logger | None = None,
                  on_stdin: Callable[[int, dict], None] | None = None,
                  on_stopped: Callable[[int, str], None] | None = None,
-                 extra_argv: list[str] | None = None) -> None:
+                 extra_argv: list[str] | None = None, on_note: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.on_unrouted = on_unrouted
         self.on_stdin = on_stdin or (lambda rank, msg: None)
@@ -79,6 +95,10 @@ class RankSupervisor:
         sweep()
         self.runtime_dir = make_runtime_dir()
         self.launcher = LocalLauncher(config, self.runtime_dir, extra_argv)
+        # ranks on other machines: started by node agents through Slurm or SSH (remote.py)
+        self.remote = (RemoteLauncher(config, self.runtime_dir, list(extra_argv or []), self.log,
+                                      on_note or (lambda text: None), self._on_remote_fault, self._on_remote_exit)
+                       if config.remote else None)
         self.ranks: dict[int, Rank] = {}
         self.generation = 0
         # one seed for all ranks of this start (a fresh one per restart, unless --seed)
@@ -114,6 +134,15 @@ class RankSupervisor:
     async def _start(self) -> None:
         self._watch_task = asyncio.ensure_future(self._watch())
         self.generation = 1
+        if self.remote is not None:
+            processes = await self.remote.launch_all()
+
+            async def connect_and_join(rank: int) -> None:
+                await self._connect(rank, processes[rank])
+                await self._join(rank, first=True)
+
+            await asyncio.gather(*(connect_and_join(r) for r in range(self.config.world_size)))
+            return
 
         async def launch_and_join(rank: int) -> None:
             # each rank starts importing torch and joining as soon as *it* is up
@@ -123,7 +152,9 @@ class RankSupervisor:
         await asyncio.gather(*(launch_and_join(r) for r in range(self.config.world_size)))
 
     async def _launch(self, rank: int) -> None:
-        process = await self.launcher.launch(rank)
+        await self._connect(rank, await self.launcher.launch(rank))
+
+    async def _connect(self, rank: int, process: RankProcess | RemoteRankProcess) -> None:
         r = Rank(rank=rank, process=process)
         self.ranks[rank] = r
         write_pids(self.runtime_dir, self._rank_pids())
@@ -134,7 +165,7 @@ class RankSupervisor:
             await channel.wait_for_ready(timeout=self.config.startup_timeout)
         except RuntimeError as e:
             raise RankStartError(
-                f"rank {rank} (pid {r.pid}) did not start: {e}\n{r.log_tail()}\n"
+                f"rank {rank} ({r.where}) did not start: {e}\n{r.log_tail()}\n"
                 f"{self._start_fix(r)}") from None
 
     def _start_fix(self, r: Rank) -> str:
@@ -159,8 +190,8 @@ class RankSupervisor:
         cfg = self.config
         r = self.ranks[rank]
         assert r.channel is not None
-        req = protocol.Join(rank=rank, world_size=cfg.world_size, local_rank=rank, backend=cfg.backend,
-                            store=os.path.join(self.runtime_dir, f"store-{self.generation}"),
+        req = protocol.Join(rank=rank, world_size=cfg.world_size, local_rank=rank % cfg.ranks_per_node,
+                            backend=cfg.backend, store=self._store(),
                             timeout=cfg.timeout, use_cuda=cfg.uses_cuda, first=first,
                             seed=self.seed if first else None, fastai=cfg.fastai)
         try:
@@ -174,9 +205,17 @@ class RankSupervisor:
             raise RankStartError(f"rank {rank} could not join the {cfg.backend} process group:\n"
                                  f"{text}\n{fix}") from None
         except RankDiedError:
-            raise RankStartError(f"rank {rank} (pid {r.pid}) {r.exit_reason or 'died'} while joining the "
+            raise RankStartError(f"rank {rank} ({r.where}) {r.exit_reason or 'died'} while joining the "
                                  f"process group.\n{r.log_tail()}\n{self._start_fix(r)}") from None
         r.device = reply.device
+
+    def _store(self) -> str:
+        """Where this formation meets: a file in the private runtime dir on one machine; rank 0's
+        TCPStore on its node's cluster address across machines (a prefix per formation)."""
+        if self.remote is not None and self.remote.master is not None:
+            addr, port = self.remote.master
+            return f"tcp://{addr}:{port}/gen{self.generation}"
+        return os.path.join(self.runtime_dir, f"store-{self.generation}")
 
     # ------------------------------------------------------------ requests
     def channel(self, rank: int) -> RankChannel:
@@ -203,8 +242,15 @@ class RankSupervisor:
         that did not confirm (the caller says so: their peers may stay blocked)."""
         pids = {r: rk.pid for r, rk in self.ranks.items() if rk.alive and rk.pid}
         asked = [r for r in ranks if r in pids]
-        replies = await asyncio.gather(*(self.ask(r, protocol.Teardown(peer_pids=[p for q, p in pids.items() if q != r]),
-                                                  timeout=5.0) for r in asked))
+
+        def teardown(r: int) -> protocol.Teardown:
+            # a pid means something only on its own machine: peers elsewhere are named by address
+            me = self.ranks[r].host_address
+            return protocol.Teardown(
+                peer_pids=[p for q, p in pids.items() if q != r and self.ranks[q].host_address == me],
+                peer_hosts=sorted({self.ranks[q].host_address for q in pids if self.ranks[q].host_address != me}))
+
+        replies = await asyncio.gather(*(self.ask(r, teardown(r), timeout=5.0) for r in asked))
         return [r for r, reply in zip(asked, replies, strict=True) if reply is None]
 
     async def set_option(self, name: str, on: bool) -> list[int]:
@@ -218,7 +264,7 @@ class RankSupervisor:
 
         async def one(rank: int) -> dict:
             r = self.ranks[rank]
-            base = {"pid": r.pid, "device": r.device}
+            base = {"pid": r.pid, "device": r.device, **({"host": r.host} if r.host else {})}
             if not r.alive:
                 return {**base, "state": r.exit_reason}
             if r.stopped:
@@ -247,13 +293,14 @@ class RankSupervisor:
             for r in list(self.ranks.values()):
                 if not r.alive:
                     continue
-                if r.process.km.has_kernel and not await r.process.is_alive():
-                    r.exit_reason = describe_exit(r.process.exit_code())
-                    if r.channel is not None:
-                        r.channel.fail_pending(f"rank {r.rank} (pid {r.pid}) {r.exit_reason}")
-                    with contextlib.suppress(Exception):
-                        self.on_death(r.rank, r.exit_reason)
+                if await r.process.has_exited():
+                    self._died(r, getattr(r.process, "gone", "") or describe_exit(r.process.exit_code()))
                     continue
+                if self.remote is not None and self.ready.is_set() and not self.remote.stopped:
+                    failure = self.remote.failure()  # srun or ssh ended: scancel, a time limit, a lost link
+                    if failure:
+                        self._on_remote_fault(failure, [])
+                        continue
                 state = r.process.os_state()
                 stopped = state_words(state) if state in STOPPED else ""
                 if stopped != r.stopped:
@@ -262,8 +309,41 @@ class RankSupervisor:
                         self.on_stopped(r.rank, stopped)  # "" when it runs again
             await asyncio.sleep(interval)
 
+    def _died(self, r: Rank, reason: str) -> None:
+        """A rank is gone: fail what waits on it and tell the kernel (once)."""
+        if not r.alive:
+            return
+        r.exit_reason = reason
+        if r.channel is not None:
+            r.channel.fail_pending(f"rank {r.rank} ({r.where}) {reason}")
+        with contextlib.suppress(Exception):
+            self.on_death(r.rank, reason)
+
+    def _on_remote_exit(self, rank: int, event: dict) -> None:
+        """A rank on another machine exited (the OOM killer, a crash): reported as on one machine,
+        then the ranks on every node are stopped (a group cannot go on without it)."""
+        r = self.ranks.get(rank)
+        if r is None or self.closing:
+            return
+        self._died(r, describe_exit(r.process.exit_code()))
+        self._on_remote_fault(f"rank {rank} on {r.host} {r.exit_reason}", [])
+
+    def _on_remote_fault(self, what: str, lost: list[int]) -> None:
+        """A node was lost, its agent ended, or the launcher (srun, ssh) ended: name the host and
+        ranks, and stop the survivors on every node, so nothing is left running."""
+        if self.closing or self.remote is None:
+            return
+        for rank in lost:
+            if rank in self.ranks:
+                self._died(self.ranks[rank], f"is gone: {what}")
+        for r in self.ranks.values():
+            self._died(r, f"was stopped on {r.host}: {what}")
+        if not self.ready.is_set() and self.start_error is None:
+            self.start_error = f"{what}. Restart the kernel to try again."
+        asyncio.ensure_future(self.remote.stop())
+
     def _rank_states(self) -> str:
-        words = [f"rank {r.rank} (pid {r.pid}) {r.exit_reason or state_words(r.process.os_state())}"
+        words = [f"rank {r.rank} ({r.where}) {r.exit_reason or state_words(r.process.os_state())}"
                  for r in self.ranks.values()]
         return ("; ".join(words) + ". ") if words else ""
 
@@ -288,6 +368,9 @@ class RankSupervisor:
             r.process.kill()
 
         await asyncio.gather(*(stop(r) for r in self.ranks.values()), return_exceptions=True)
+        if self.remote is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.remote.stop(), 10)
         # what the ranks started outside their process groups (os.setsid, daemons) too
         await asyncio.get_running_loop().run_in_executor(None, kill_kernel_processes, self.runtime_dir,
                                                          self._rank_pids())
@@ -297,6 +380,8 @@ class RankSupervisor:
         """SIGKILL rank process groups synchronously (used at exit, from any thread)."""
         for r in list(self.ranks.values()):
             r.process.kill()
+        if self.remote is not None:
+            self.remote.stop_sync()
 
     def cleanup_sync(self) -> None:
         """Last-resort cleanup when the parent exits without a shutdown request."""
@@ -306,6 +391,11 @@ class RankSupervisor:
         self._remove_runtime_dir()
 
     def _rank_pids(self) -> list[int]:
+        """The rank processes on this machine. Ranks on other machines have pids that mean
+        nothing here: their agents end them, and the launcher (srun, ssh) records its own
+        processes and job for the reaper (cluster.py)."""
+        if self.remote is not None:
+            return []
         return [p for p in (r.pid for r in self.ranks.values()) if p]
 
     def _remove_runtime_dir(self) -> None:

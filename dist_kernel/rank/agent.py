@@ -212,7 +212,7 @@ def set_device(device: str) -> None:
     _state["device"] = device
 
 
-def teardown_group(peer_pids: list[int]) -> Done:
+def teardown_group(peer_pids: list[int], peer_hosts: list[str] | None = None) -> Done:
     """Break this rank's process group, so that every collective on it raises at once.
 
     Destroying the group makes peers blocked with this rank raise, but not this rank's own
@@ -220,7 +220,7 @@ def teardown_group(peer_pids: list[int]) -> Done:
     rank also shuts down its TCP connections to the peer ranks, which is what a dead peer
     looks like to gloo ("Connection closed by peer"). The group is formed again afterwards.
     """
-    cut = cut_connections(peer_pids)
+    cut = cut_connections(peer_pids, peer_hosts or [])
     outcome = f"cut {cut} connection(s)"
     if not _state.get("busy"):
         try:
@@ -234,16 +234,18 @@ def teardown_group(peer_pids: list[int]) -> Done:
     return Done(outcome=outcome)
 
 
-def cut_connections(peer_pids: list[int]) -> int:
-    """Shut down this process's established TCP connections to the given processes (Linux)."""
+def cut_connections(peer_pids: list[int], peer_hosts: list[str] = ()) -> int:  # type: ignore[assignment]
+    """Shut down this process's established TCP connections to the given processes on this
+    machine, and to every process on the given other machines (IPv4 addresses; Linux)."""
     table = _tcp_table()
     peers: set[str] = set()
     for pid in peer_pids:
         peers.update(table[i][0] for i in _socket_inodes(pid) if i in table)
+    hosts = {_proc_net_host(h) for h in peer_hosts if h}
     cut = 0
     for inode, fd in _socket_inodes(os.getpid()).items():
         local, remote, state = table.get(inode, ("", "", ""))
-        if state == "01" and remote in peers:  # 01: ESTABLISHED
+        if state == "01" and (remote in peers or remote.rsplit(":", 1)[0] in hosts):  # 01: ESTABLISHED
             try:
                 with socket.socket(fileno=os.dup(fd)) as sock:
                     sock.shutdown(socket.SHUT_RDWR)
@@ -251,6 +253,14 @@ def cut_connections(peer_pids: list[int]) -> int:
             except OSError:
                 continue
     return cut
+
+
+def _proc_net_host(address: str) -> str:
+    """An IPv4 address as /proc/net/tcp writes it (hex, host byte order: little-endian here)."""
+    try:
+        return socket.inet_aton(address)[::-1].hex().upper()
+    except OSError:
+        return address
 
 
 def _socket_inodes(pid: int) -> dict[int, int]:

@@ -94,7 +94,8 @@ class RankKernel(IPythonKernel):
             # destroying a group can wait on its work threads: never on the control loop itself
             loop = asyncio.get_running_loop()
             asyncio.ensure_future(self._answer(stream, ident, parent, req.op,
-                                               loop.run_in_executor(None, agent.teardown_group, req.peer_pids)))
+                                               loop.run_in_executor(None, agent.teardown_group, req.peer_pids,
+                                                                   req.peer_hosts)))
         else:
             try:
                 result = _QUICK[type(req)](req)

@@ -1,10 +1,13 @@
 """Runs inside each rank: join the torch.distributed process group and define the names.
 
 The parent sends each rank a typed ``join`` request (:class:`dist_kernel.protocol.Join`);
-the rank kernel calls :func:`join` with it on the rank's main thread. Rendezvous goes through a ``FileStore`` in the kernel's private
-runtime directory (mode 0700): no port is chosen, so there is no free-port race, two kernels
-never collide, and nothing listens on the network (``TCPStore`` binds every interface).
-The launcher sets the interface gloo and NCCL use (loopback for local ranks).
+the rank kernel calls :func:`join` with it on the rank's main thread. On one machine,
+rendezvous goes through a ``FileStore`` in the kernel's private runtime directory (mode
+0700): no port is chosen, so there is no free-port race, two kernels never collide, and
+nothing listens on the network (``TCPStore`` binds every interface). Across machines, rank 0
+hosts a ``TCPStore`` on its node's cluster address (``MASTER_ADDR:MASTER_PORT``), kept for
+the kernel's life; each formation uses its own prefix in it. The launcher sets the
+interface gloo and NCCL use (loopback for local ranks, the cluster interface otherwise).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def join(req: Join) -> str:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - already torn down by a peer
             pass
-    dist.init_process_group(backend, store=dist.FileStore(req.store, world_size), rank=rank,
+    dist.init_process_group(backend, store=_store(req), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=req.timeout), **kwargs)
     _define_names(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
     agent.set_device(str(device))
@@ -53,6 +56,48 @@ def join(req: Join) -> str:
 
         fastai_integration.install()
     return str(device)
+
+
+#: rank 0's TCPStore (server) or another rank's client of it, kept across formations
+_tcp_store: list = []
+#: how long a rank tries to reach rank 0's rendezvous before it names the address as unreachable
+REACH_TIMEOUT = 20.0
+
+
+def _store(req: Join):  # noqa: ANN202 - a torch.distributed Store
+    import torch.distributed as dist
+
+    if not req.store.startswith("tcp://"):
+        return dist.FileStore(req.store, req.world_size)
+    address, _, prefix = req.store[len("tcp://"):].partition("/")
+    host, _, port = address.rpartition(":")
+    if not _tcp_store:
+        if req.rank != 0:
+            _check_reachable(req.rank, host, int(port))
+        _tcp_store.append(dist.TCPStore(host, int(port), req.world_size, is_master=req.rank == 0,
+                                        timeout=timedelta(seconds=req.timeout), wait_for_workers=False))
+    return dist.PrefixStore(prefix, _tcp_store[0])
+
+
+def _check_reachable(rank: int, host: str, port: int) -> None:
+    """A node that cannot reach rank 0's rendezvous is a wiring mistake: say so with the
+    address, instead of waiting out the collective timeout."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + REACH_TIMEOUT
+    error = "timed out"
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=3):
+                return
+        except OSError as e:
+            error = e.strerror or str(e)
+            time.sleep(0.3)
+    raise RuntimeError(
+        f"rank {rank} on {socket.gethostname()} cannot reach rank 0's rendezvous at {host}:{port} ({error}) "
+        f"within {REACH_TIMEOUT:.0f}s. Fix: let the nodes reach each other on the cluster network "
+        "(firewall, --port-range), then restart the kernel.")
 
 
 def seed_everything(seed: int) -> None:

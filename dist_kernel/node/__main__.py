@@ -1,0 +1,3 @@
+from dist_kernel.node.agent import main
+
+main()

@@ -1,0 +1,327 @@
+"""The node agent: one per machine of a multi-node kernel, started by srun or ssh.
+
+    python -m dist_kernel.node --parent tcp://ADDR:PORT [--node-rank I]
+
+It reads its keys as one JSON line on stdin (:class:`dist_kernel.tunnel.Bootstrap`), checks
+that it can reach the parent, connects out to it (CurveZMQ), says hello, and once the parent
+says ``start`` launches this node's ranks as ipykernels on IPC sockets in a private
+directory, exactly as the parent does on one machine. From then on it relays each rank's
+Jupyter messages both ways, beats every half second with its ranks' states, reports a rank
+that exits, and signals ranks when the parent asks (the stop button).
+
+It ends its ranks and itself when the parent says ``stop``, when the parent has been silent
+for :data:`~dist_kernel.tunnel.LOST_AFTER` seconds (a lost link, a SIGKILLed parent), or
+when its stdin closes (srun or ssh ended). Each rank also dies with the agent
+(``PR_SET_PDEATHSIG``), so a SIGKILLed agent leaves nothing behind either.
+
+It imports no torch and nothing of the parent's kernel: it starts processes and moves bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import zmq
+
+from dist_kernel import tunnel
+from dist_kernel.placement import rank_env, rank_of
+
+#: how long the agent tries to reach the parent before it reports the address as unreachable
+REACH_TIMEOUT = 10.0
+#: the ipc "ports" of a rank's channels, as in its connection file
+PORTS = {b"shell": 1, b"iopub": 2, b"stdin": 3, b"control": 4, b"hb": 5}
+
+
+def fail(message: str, code: int = 3) -> None:
+    """A wiring mistake: one clear line on stderr (srun/ssh carry it to the parent), then exit."""
+    print(f"dist_kernel node agent on {socket.gethostname()}: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def reach(host: str, port: int, timeout: float) -> str | None:
+    """None when a TCP connection to host:port opens within ``timeout``; else the last error."""
+    deadline = time.monotonic() + timeout
+    error = "timed out"
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=min(3.0, max(0.1, deadline - time.monotonic()))):
+                return None
+        except OSError as e:
+            error = e.strerror or str(e)
+            time.sleep(0.5)
+    return error
+
+
+def free_port(address: str, port_range: list[int] | None, avoid: int) -> int:
+    """A port rank 0's rendezvous can bind on ``address``: from the range if one is given."""
+    candidates = range(port_range[0], port_range[1] + 1) if port_range else [0]
+    for port in candidates:
+        if port == avoid:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((address, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free port in {port_range[0]}-{port_range[1]} on {address}" if port_range else "no free port")
+
+
+class RankChild:
+    """One rank process on this node, and the sockets that relay its channels."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen, log_path: str, sockets: dict[bytes, zmq.Socket]) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.log_path = log_path
+        self.sockets = sockets
+        self.reported = False
+
+    def state(self) -> str:
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def signal(self, signum: int) -> None:
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, signum)  # the rank leads its own session: workers too
+
+
+class NodeAgent:
+    """Runs this node's ranks and relays them to the parent."""
+
+    def __init__(self, parent: str, node: int, boot: tunnel.Bootstrap) -> None:
+        self.parent = parent
+        self.node = node
+        self.boot = boot
+        self.host = socket.gethostname()
+        self.ctx = zmq.Context()
+        self.ranks: dict[int, RankChild] = {}
+        self.runtime_dir = tempfile.mkdtemp(prefix=f"dk-node{node}-")  # mode 0700
+        self.stdin_closed = threading.Event()
+        self.last_heard = time.monotonic()
+        self.ending = ""
+
+    # ---------------------------------------------------------------- start
+    def connect(self) -> None:
+        host, port = tunnel.parse_endpoint(self.parent)
+        try:
+            self.address = tunnel.route_address(host, port)
+        except OSError as e:
+            fail(f"node {self.node} has no route to the parent at {host}:{port} ({e.strerror or e}). "
+                 "Fix: start the kernel with --listen set to an address of the parent's machine that the nodes can reach.")
+        error = reach(host, port, REACH_TIMEOUT)
+        if error is not None:
+            fail(f"node {self.node} cannot reach the parent at {host}:{port} ({error}). Fix: --listen must be "
+                 "an address of the parent's machine that the nodes can reach (not loopback), and a firewall "
+                 "must let the nodes connect to --port-range.")
+        self.ifname = tunnel.interface_of(self.address)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.curve_serverkey = self.boot.server_key.encode()
+        sock.curve_publickey = self.boot.client_public.encode()
+        sock.curve_secretkey = self.boot.client_secret.encode()
+        sock.setsockopt(zmq.IDENTITY, f"node{self.node}".encode())
+        sock.linger = 1000
+        sock.sndhwm = sock.rcvhwm = 0  # a burst of output is never dropped
+        sock.connect(self.parent)
+        self.sock = sock
+        hello = {"type": "hello", "node": self.node, "host": self.host, "address": self.address,
+                 "ifname": self.ifname, "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
+                 "step": os.environ.get("SLURM_STEP_ID")}
+        if self.node == 0:  # rank 0 hosts the rendezvous on this node's cluster address
+            hello["master_port"] = free_port(self.address, self.boot.port_range, avoid=port)
+        self.send_ctl(hello)
+
+    def send_ctl(self, event: dict) -> None:
+        self.sock.send_multipart(tunnel.pack_ctl(self.boot.hmac_key, event))
+
+    def start_ranks(self, master_addr: str, master_port: int | None) -> None:
+        from jupyter_client.connect import write_connection_file
+
+        boot = self.boot
+        for local in range(boot.ranks_per_node):
+            rank = rank_of(self.node, local, boot.ranks_per_node)
+            ipc = os.path.join(self.runtime_dir, f"rank{rank}")
+            cf = os.path.join(self.runtime_dir, f"rank{rank}.json")
+            write_connection_file(cf, transport="ipc", ip=ipc, key=boot.rank_keys[str(rank)].encode(),
+                                  signature_scheme="hmac-sha256", kernel_name="dist-kernel-rank",
+                                  **{f"{name.decode()}_port": num for name, num in PORTS.items()})
+            env = rank_env(dict(os.environ), rank=rank, ranks_per_node=boot.ranks_per_node,
+                           world_size=boot.world_size, master_addr=master_addr, master_port=master_port,
+                           runtime_dir=self.runtime_dir, parent_pid=os.getpid(), gpus=boot.gpus,
+                           ifname=self.ifname)
+            log_path = os.path.join(self.runtime_dir, f"rank{rank}.log")
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "dist_kernel.rank", "-f", cf, *boot.extra_argv],
+                                        env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                        start_new_session=True, cwd=os.getcwd())
+            sockets = {}
+            identity = f"relay-{rank}".encode()  # one identity on shell and stdin: input() needs it
+            for name, kind in ((b"shell", zmq.DEALER), (b"control", zmq.DEALER), (b"stdin", zmq.DEALER),
+                               (b"iopub", zmq.SUB)):
+                s = self.ctx.socket(kind)
+                s.linger = 0
+                s.sndhwm = s.rcvhwm = 0
+                if kind == zmq.SUB:
+                    s.setsockopt(zmq.SUBSCRIBE, b"")
+                else:
+                    s.setsockopt(zmq.IDENTITY, identity)
+                s.connect(f"ipc://{ipc}-{PORTS[name]}")
+                sockets[name] = s
+            self.ranks[rank] = RankChild(rank, proc, log_path, sockets)
+        self.send_ctl({"type": "started", "node": self.node,
+                       "ranks": {str(r): c.proc.pid for r, c in self.ranks.items()}})
+
+    # ----------------------------------------------------------------- loop
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        owners: dict[zmq.Socket, tuple[int, bytes]] = {}
+        next_beat = 0.0
+        while not self.ending:
+            for rank, child in self.ranks.items():
+                for name, s in child.sockets.items():
+                    if s not in owners:
+                        owners[s] = (rank, name)
+                        poller.register(s, zmq.POLLIN)
+            for s, _ in poller.poll(100):
+                if s is self.sock:
+                    self.from_parent(self.sock.recv_multipart(copy=True))
+                else:
+                    rank, name = owners[s]
+                    frames = s.recv_multipart(copy=True)
+                    self.sock.send_multipart([tunnel.MSG, str(rank).encode(), name, *frames])
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + tunnel.BEAT_INTERVAL
+                self.beat()
+            if now - self.last_heard > tunnel.LOST_AFTER:
+                self.ending = f"the parent has been silent for {tunnel.LOST_AFTER:.0f}s"
+            elif self.stdin_closed.is_set():
+                self.ending = "its stdin closed (srun or ssh ended)"
+
+    def beat(self) -> None:
+        states = {}
+        for rank, child in self.ranks.items():
+            code = child.proc.poll()
+            states[str(rank)] = {"pid": child.proc.pid, "state": child.state(), "exit": code}
+            if code is not None and not child.reported:
+                child.reported = True
+                self.send_ctl({"type": "exited", "rank": rank, "code": code, "log": child.log_tail()})
+        self.send_ctl({"type": "beat", "ranks": states})
+
+    def from_parent(self, frames: list[bytes]) -> None:
+        self.last_heard = time.monotonic()
+        if frames[0] == tunnel.MSG and len(frames) >= 3:
+            child = self.ranks.get(int(frames[1]))
+            if child is not None and frames[2] in child.sockets and frames[2] != b"iopub":
+                child.sockets[frames[2]].send_multipart(frames[3:])
+            return
+        if frames[0] != tunnel.CTL:
+            return
+        try:
+            event = tunnel.unpack_ctl(self.boot.hmac_key, frames[1:], tunnel.TO_NODE)
+        except tunnel.TunnelError:
+            return
+        if event["type"] == "start" and not self.ranks:
+            try:
+                self.start_ranks(event["master_addr"], event.get("master_port"))
+            except Exception as e:  # noqa: BLE001 - reported to the parent, which shows it
+                self.send_ctl({"type": "failed", "node": self.node, "error": f"{type(e).__name__}: {e}"})
+        elif event["type"] == "signal":
+            child = self.ranks.get(int(event["rank"]))
+            if child is not None:
+                child.signal(int(event["signum"]))
+        elif event["type"] == "stop":
+            self.ending = "the parent asked it to stop"
+
+    # ------------------------------------------------------------------ end
+    def close(self) -> None:
+        """End every rank (its whole session), then remove the private directory."""
+        for child in self.ranks.values():
+            child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and any(c.proc.poll() is None for c in self.ranks.values()):
+            time.sleep(0.05)
+        for child in self.ranks.values():
+            child.signal(signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                child.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=2)
+        with contextlib.suppress(Exception):
+            from dist_kernel.parent.cleanup import kill_kernel_processes
+
+            kill_kernel_processes(self.runtime_dir, [c.proc.pid for c in self.ranks.values()])
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            self.ctx.destroy(linger=0)
+
+
+def _watch_stdin(closed: threading.Event) -> None:
+    """stdin stays open while the launcher (srun, ssh) runs: its EOF means the parent is gone."""
+    with contextlib.suppress(Exception):
+        while sys.stdin.buffer.read(4096):
+            pass
+    closed.set()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dist_kernel.node", description=__doc__.split("\n")[0])
+    parser.add_argument("--parent", required=True, help="tcp://ADDR:PORT of the parent's listener")
+    parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (default: SLURM_NODEID)")
+    args = parser.parse_args(argv)
+    node = args.node_rank if args.node_rank is not None else int(os.environ.get("SLURM_NODEID", "-1"))
+    if node < 0:
+        fail("no node rank: pass --node-rank or run under srun (SLURM_NODEID)", 2)
+    line = sys.stdin.buffer.readline()
+    if not line.strip():
+        fail("no bootstrap line on stdin (the keys come from the parent's launcher)", 2)
+    try:
+        boot = tunnel.Bootstrap.decode(line)
+    except tunnel.TunnelError as e:
+        fail(str(e), 2)
+    agent = NodeAgent(args.parent, node, boot)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        # scancel, the job's time limit, srun ending: the loop ends the ranks and says why
+        agent.ending = (f"it got {signal.Signals(signum).name} (scancel, the Slurm job's time limit, "
+                        "or srun/ssh ending)")
+        if not hasattr(agent, "sock"):
+            sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    threading.Thread(target=_watch_stdin, args=(agent.stdin_closed,), daemon=True).start()
+    try:
+        agent.connect()
+        agent.run()
+        if agent.ending:
+            print(f"dist_kernel node agent on {agent.host}: ending: {agent.ending}", file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):  # the parent names the host and the cause at once
+                agent.send_ctl({"type": "ending", "node": node, "reason": agent.ending})
+    finally:
+        agent.close()
+
+
+if __name__ == "__main__":
+    main()

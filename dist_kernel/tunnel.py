@@ -1,0 +1,148 @@
+"""The wire between the parent and a node agent, spoken by both (ranks on other machines).
+
+One ZMQ connection per node, opened by the node's agent towards the parent, so the nodes
+open no Jupyter port. It is a CurveZMQ connection: encrypted, the parent's public key is
+pinned on the node, and the parent's ZAP handler admits only the one client key that this
+kernel start generated. Both ends receive their keys out of band: the parent made them,
+and the agent reads them as one JSON line on the launcher's stdin (never argv, environment
+or a file).
+
+Frames, after the ROUTER's node identity on the parent's side:
+
+- ``ctl``, payload, signature: a control event (hello, beat, start, started, exited, signal,
+  stop), JSON, signed with the kernel's tunnel HMAC key as well (defence in depth: a frame
+  that does not verify is dropped).
+- ``msg``, rank, channel, *frames: one Jupyter message to or from a rank, relayed as is; it
+  carries its own HMAC signature (each rank has its own key), checked at the ends.
+
+Nothing here is ever unpickled: control payloads are JSON, Jupyter frames are passed through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import socket
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+CTL = b"ctl"
+MSG = b"msg"
+#: the Jupyter channels a rank's messages travel on
+CHANNELS = (b"shell", b"control", b"stdin", b"iopub")
+#: both ends send a beat this often, and call the other side lost after LOST_AFTER silent seconds
+BEAT_INTERVAL = 0.5
+LOST_AFTER = 3.0
+#: the ZAP domain of the parent's listener
+ZAP_DOMAIN = "dist_kernel"
+#: control event types, by direction (``lost`` is the parent's own, when a node falls silent)
+FROM_NODE = ("hello", "beat", "started", "exited", "failed", "ending")
+TO_NODE = ("beat", "start", "signal", "stop")
+
+
+class TunnelError(ValueError):
+    """A control frame that is malformed or not signed with the kernel's key."""
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """What a node agent needs, sent as one JSON line on its stdin."""
+
+    server_key: str  # the parent's CurveZMQ public key (z85), pinned by the node
+    client_public: str  # the node's CurveZMQ key pair (the parent admits only this public key)
+    client_secret: str
+    hmac_key: str  # signs control frames
+    rank_keys: dict[str, str]  # rank -> the HMAC key of its Jupyter session
+    nodes: int
+    ranks_per_node: int
+    gpus: list[int] = field(default_factory=list)  # GPU ids on each node; local rank i uses the i-th
+    port_range: list[int] | None = None
+    extra_argv: list[str] = field(default_factory=list)  # for every rank kernel
+    parent_pid: int = 0
+    parent_host: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode() + b"\n"
+
+    @classmethod
+    def decode(cls, line: bytes | str) -> Bootstrap:
+        try:
+            data = json.loads(line)
+            return cls(**data)
+        except (ValueError, TypeError) as e:
+            raise TunnelError(f"bad bootstrap line: {e}") from None
+
+
+def new_secrets() -> dict[str, str]:
+    """Fresh keys for one kernel start: the server's and the client's CurveZMQ pairs, the HMAC key."""
+    import zmq
+
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    return {"server_public": server_public.decode(), "server_secret": server_secret.decode(),
+            "client_public": client_public.decode(), "client_secret": client_secret.decode(),
+            "hmac_key": secrets.token_hex(32)}
+
+
+def sign(key: str, payload: bytes) -> bytes:
+    return hmac.new(key.encode(), payload, hashlib.sha256).hexdigest().encode()
+
+
+def pack_ctl(key: str, event: dict[str, Any]) -> list[bytes]:
+    payload = json.dumps(event).encode()
+    return [CTL, payload, sign(key, payload)]
+
+
+def unpack_ctl(key: str, frames: list[bytes], allowed: tuple[str, ...]) -> dict[str, Any]:
+    """The control event in ``frames`` (after the ``ctl`` frame); raises :class:`TunnelError`."""
+    if len(frames) != 2:
+        raise TunnelError(f"a control frame has 2 parts, got {len(frames)}")
+    payload, signature = frames
+    if not hmac.compare_digest(sign(key, payload), signature):
+        raise TunnelError("a control frame's signature does not verify")
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        raise TunnelError("a control frame is not JSON") from None
+    if not isinstance(event, dict) or event.get("type") not in allowed:
+        raise TunnelError(f"unknown control event {event.get('type') if isinstance(event, dict) else event!r}")
+    return event
+
+
+def route_address(host: str, port: int = 9) -> str:
+    """This machine's address on the route to ``host``: a UDP connect() sends no packet."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds ``address`` (IPv4), or None."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` -> (host, port)."""
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"{endpoint!r} is not tcp://HOST:PORT")
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    return host.strip("[]"), int(port)
