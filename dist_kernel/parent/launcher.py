@@ -95,6 +95,10 @@ class RankProcess:
     def client(self):  # noqa: ANN201 - jupyter_client's AsyncKernelClient
         return self.km.client()
 
+    def connection_info(self) -> dict:
+        """Where the rank's channels are, and its HMAC key (a jupyter_client connection dict)."""
+        return self.km.get_connection_info()
+
     async def interrupt(self) -> None:
         """SIGINT the rank's process group, as Jupyter does for a signal-mode kernel."""
         if self.km.has_kernel:

@@ -267,6 +267,10 @@ class RemoteRankProcess:
     def os_state(self) -> str:
         return self.state
 
+    def connection_info(self) -> dict:
+        """The stand-in kernel's channels (IPC, in the runtime dir) and the rank's HMAC key."""
+        return dict(self.connection)
+
     def client(self) -> AsyncKernelClient:
         kc = _NoHeartbeatClient()
         kc.load_connection_info(self.connection)
