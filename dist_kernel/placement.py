@@ -18,14 +18,20 @@ def rank_of(node: int, local_rank: int, ranks_per_node: int) -> int:
 
 def rank_env(base: dict[str, str], *, rank: int, ranks_per_node: int, world_size: int,
              master_addr: str, master_port: int | None, runtime_dir: str, parent_pid: int,
-             gpus: tuple[int, ...] | list[int], ifname: str | None, cpu_count: int | None = None) -> dict[str, str]:
-    """A rank's whole environment (a child process gets exactly this)."""
+             gpus: tuple[int, ...] | list[int], ifname: str | None, cpu_count: int | None = None,
+             kernel_pid: int | None = None) -> dict[str, str]:
+    """A rank's whole environment (a child process gets exactly this).
+
+    ``parent_pid`` is the rank's own parent (the kernel, or a node's agent), which it dies
+    with; ``kernel_pid`` the parent kernel's, the same on every machine (cell file names).
+    """
     node, local_rank = divmod(rank, ranks_per_node)
     env = dict(base)
     env.update({
         "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(ranks_per_node), "GROUP_RANK": str(node), "NODE_RANK": str(node),
         "MASTER_ADDR": master_addr, "JPY_PARENT_PID": str(parent_pid),
+        "DIST_KERNEL_PARENT_PID": str(kernel_pid or parent_pid),
         "DIST_KERNEL_RANK": str(rank), "PYTHONUNBUFFERED": "1",
         # inherited by everything a rank starts (DataLoader workers, subprocesses): lets a
         # clean-up find them even after the rank, its parent and the reaper are gone

@@ -168,7 +168,7 @@ class NodeAgent:
             env = rank_env(dict(os.environ), rank=rank, ranks_per_node=boot.ranks_per_node,
                            world_size=boot.world_size, master_addr=master_addr, master_port=master_port,
                            runtime_dir=self.runtime_dir, parent_pid=os.getpid(), gpus=boot.gpus,
-                           ifname=self.ifname)
+                           ifname=self.ifname, kernel_pid=boot.parent_pid)
             log_path = os.path.join(self.runtime_dir, f"rank{rank}.log")
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen([sys.executable, "-m", "dist_kernel.rank", "-f", cf, *boot.extra_argv],
@@ -277,10 +277,22 @@ class NodeAgent:
             self.ctx.destroy(linger=0)
 
 
-def _watch_stdin(closed: threading.Event) -> None:
+def _read_line(fd: int = 0) -> bytes:
+    """The bootstrap line, read straight from the file descriptor: Python's buffered stdin
+    would leave a lock held by the watcher thread at exit (a fatal error on shutdown)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(fd, 1)
+        if not chunk:
+            break
+        line += chunk
+    return line
+
+
+def _watch_stdin(closed: threading.Event, fd: int = 0) -> None:
     """stdin stays open while the launcher (srun, ssh) runs: its EOF means the parent is gone."""
-    with contextlib.suppress(Exception):
-        while sys.stdin.buffer.read(4096):
+    with contextlib.suppress(OSError):
+        while os.read(fd, 4096):
             pass
     closed.set()
 
@@ -293,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     node = args.node_rank if args.node_rank is not None else int(os.environ.get("SLURM_NODEID", "-1"))
     if node < 0:
         fail("no node rank: pass --node-rank or run under srun (SLURM_NODEID)", 2)
-    line = sys.stdin.buffer.readline()
+    line = _read_line()
     if not line.strip():
         fail("no bootstrap line on stdin (the keys come from the parent's launcher)", 2)
     try:

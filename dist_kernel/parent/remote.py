@@ -399,7 +399,11 @@ class RemoteLauncher:
         while len(got) < self.config.nodes:
             failure = self.nodes_launcher.failure() if self.nodes_launcher is not None else None
             if failure:
-                raise RankStartError(f"The node agents could not start: {failure}\n{self._fix()}")
+                # what an agent said of the wiring (no route, unreachable parent) comes first
+                said = [ln.split(": ", 1)[1] for ln in self.nodes_launcher.tail() if "dist_kernel node agent on" in ln]
+                if said:  # then the launcher's own words add only how it ended
+                    failure = "\n".join([*dict.fromkeys(said), failure.split(":", 1)[0] + "."])
+                raise RankStartError(f"The node agents could not start:\n{failure}\n{self._fix()}")
             waited = time.monotonic() - self._launched_at
             if not self._queued and waited > CONNECT_TIMEOUT:
                 missing = [n for n in range(self.config.nodes) if n not in got]

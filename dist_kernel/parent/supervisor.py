@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dist_kernel import protocol
-from dist_kernel.exceptions import RankDiedError, RankRequestError, RankStartError
+from dist_kernel.exceptions import ConfigError, RankDiedError, RankRequestError, RankStartError
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.channels import RankChannel
 from dist_kernel.parent.cleanup import kill_kernel_processes, make_runtime_dir, sweep
@@ -126,7 +126,7 @@ class RankSupervisor:
                 f"{self.config.startup_timeout:.0f}s. {self._rank_states()}Fix: look at the ranks' "
                 "state above; on a slow or busy machine raise --startup-timeout; then restart the kernel.")
         except Exception as e:  # noqa: BLE001 - reported to the user in the first cell
-            self.start_error = str(e) if isinstance(e, RankStartError) else f"{type(e).__name__}: {e}"
+            self.start_error = str(e) if isinstance(e, (RankStartError, ConfigError)) else f"{type(e).__name__}: {e}"
         if self.start_error:
             await self.shutdown(now=True)
         self.ready.set()
