@@ -109,7 +109,9 @@ def cmd_clean(ns: argparse.Namespace) -> int:  # noqa: ARG001
         print(f"ended {p.describe()}")
     for d in report.removed:
         print(f"removed {d}")
-    if not report.killed and not report.removed:
+    for job in report.cancelled:
+        print(f"cancelled Slurm job: scancel {job}")
+    if not report.killed and not report.removed and not report.cancelled:
         print("nothing to clean")
     return 0
 

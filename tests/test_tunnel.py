@@ -84,3 +84,80 @@ def test_a_users_interface_choice_and_gpu_mask_win():
     assert env["GLOO_SOCKET_IFNAME"] == "ib0" and env["NCCL_SOCKET_IFNAME"] == "lab0"
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7"  # physical ids picked from the inherited mask
     assert "MASTER_PORT" not in env and "ACCELERATE_USE_CPU" not in env
+
+
+# ------------------------------------------------------------------ the listener (loopback only)
+def _listener(tmp_path):
+    import logging
+    import threading
+
+    from dist_kernel.options import KernelConfig
+    from dist_kernel.parent.remote import Tunnel
+
+    keys = tunnel.new_secrets()
+    keys["rank_keys"] = {"0": "k0", "1": "k1"}
+    heard: list[tuple[int, dict]] = []
+    got = threading.Event()
+
+    def on_event(node, event):
+        heard.append((node, event))
+        got.set()
+
+    cfg = KernelConfig(world_size=2, backend="gloo", launcher="ssh", nodes=2, ranks_per_node=1, hosts=("a", "b"))
+    t = Tunnel(cfg, keys, str(tmp_path), on_event, logging.getLogger("test"))
+    port = t.bind("127.0.0.1")
+    t.start()
+    return t, keys, port, heard, got
+
+
+def _client(port, server_key, public=None, secret=None, curve=True):
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.linger = 0
+    if curve:
+        s.curve_serverkey = server_key.encode()
+        if public is None:
+            public, secret = (k.decode() for k in zmq.curve_keypair())
+        s.curve_publickey, s.curve_secretkey = public.encode(), secret.encode()
+    s.setsockopt(zmq.IDENTITY, b"node0")
+    s.connect(f"tcp://127.0.0.1:{port}")
+    return s
+
+
+def test_the_listener_admits_the_kernels_client_key_and_answers_with_beats(tmp_path):
+    import zmq
+
+    t, keys, port, heard, got = _listener(tmp_path)
+    try:
+        s = _client(port, keys["server_public"], keys["client_public"], keys["client_secret"])
+        s.send_multipart(tunnel.pack_ctl(keys["hmac_key"], {"type": "hello", "node": 0, "host": "n1"}))
+        assert got.wait(5), "a hello with the right keys never arrived"
+        assert heard[0] == (0, {"type": "hello", "node": 0, "host": "n1"})
+        assert s.poll(3000, zmq.POLLIN), "the parent did not beat to an admitted node"
+        frames = s.recv_multipart()
+        assert tunnel.unpack_ctl(keys["hmac_key"], frames[1:], tunnel.TO_NODE)["type"] == "beat"
+        s.close()
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("who", ["a random client key", "no CurveZMQ at all", "a wrong server key"])
+def test_a_connection_without_the_keys_is_refused_and_delivers_nothing(tmp_path, who):
+    import zmq
+
+    t, keys, port, heard, got = _listener(tmp_path)
+    try:
+        if who == "a random client key":
+            s = _client(port, keys["server_public"])
+        elif who == "no CurveZMQ at all":
+            s = _client(port, "", curve=False)
+        else:
+            s = _client(port, zmq.curve_keypair()[0].decode())
+        # even a correctly signed event (the HMAC key leaked) gets no further than the handshake
+        s.send_multipart(tunnel.pack_ctl(keys["hmac_key"], {"type": "hello", "node": 0}))
+        assert not got.wait(2), f"{who}: the listener accepted {heard}"
+        assert not s.poll(500, zmq.POLLIN)
+        s.close()
+    finally:
+        t.close()

@@ -13,14 +13,21 @@ The owner pid in a runtime directory's name (``dist_kernel-<pid>-xxxxxxxx``) say
 kernel is alive; the same name is the value of the variable, so a process can be judged even
 after its directory was removed. Only processes of this user are ever signalled, never this
 process or its ancestors. Imports nothing heavy: the reaper runs this.
+
+A kernel whose ranks run on other machines (``--launcher slurm|ssh``, see cluster.py) also
+records its launcher processes (``srun``, ``ssh``) and its Slurm job in ``launch.json``
+(:data:`LAUNCH_FILE`): :func:`end_launch` ends those (SIGTERM first, so that ``srun`` cancels
+its step) and cancels the job; the reaper and the sweep call it for a kernel that is gone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -29,6 +36,8 @@ from dataclasses import dataclass, field
 ENV_VAR = "DIST_KERNEL_RUNTIME_DIR"
 RUNTIME_PREFIX = "dist_kernel-"
 PIDS_FILE = "ranks.pids"
+#: the launcher processes and Slurm job of a multi-node kernel (see :func:`end_launch`)
+LAUNCH_FILE = "launch.json"
 # Linux limits a unix socket path (sun_path) to 107 bytes. The ranks' IPC sockets are
 # ``<runtime dir>/rank<N>-<port>``; leave room for 4-digit ranks and 5-digit ports.
 SOCKET_PATH_MAX = 107
@@ -57,6 +66,8 @@ class SweepReport:
 
     killed: list[Proc] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    #: Slurm jobs and steps cancelled (``scancel`` arguments, one string per call)
+    cancelled: list[str] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------ runtime directories
@@ -285,6 +296,117 @@ def kill_kernel_processes(runtime_dir: str, rank_pids: Iterable[int] | None = No
                                               pids, trust_rank_sessions))
 
 
+# ------------------------------------------------------------------ launchers (srun, ssh)
+def start_time(pid: int) -> int | None:
+    """The start time of ``pid`` (clock ticks since boot, ``/proc/PID/stat`` field 22): with
+    the pid it names one process for good, whatever pid is reused later."""
+    try:
+        return int(_read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def read_launch(runtime_dir: str) -> dict | None:
+    """What ``launch.json`` in ``runtime_dir`` records (see reaper.write_launch); None when absent."""
+    try:
+        with open(os.path.join(runtime_dir, LAUNCH_FILE)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _launch_pids(record: dict) -> list[int]:
+    """The recorded launcher pids that still are the processes recorded (same start time)."""
+    out = []
+    for entry in record.get("pids") or []:
+        try:
+            pid, started = int(entry[0]), entry[1]
+        except (TypeError, ValueError, IndexError):
+            continue
+        if pid > 1 and pid != os.getpid() and start_time(pid) == started and pid_alive(pid):
+            out.append(pid)
+    return out
+
+
+def _slurm_run(argv: list[str], slurm_conf: str | None, timeout: float = 5.0) -> subprocess.CompletedProcess | None:
+    env = dict(os.environ)
+    if slurm_conf:
+        env["SLURM_CONF"] = slurm_conf
+    try:
+        return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def cancel_slurm(slurm: dict) -> list[str]:
+    """Cancel what a launcher's Slurm record names; returns the ``scancel`` calls made.
+
+    The kernel's own job (``own_job``): ``scancel --user U --name NAME [JOB]``, filters that
+    Slurm ANDs, so only a job of this user with the kernel's unique name is ever cancelled
+    (also one whose id was never learnt). Inside the user's allocation only the steps of that
+    job with the kernel's name are cancelled, never the allocation.
+    """
+    name, job = slurm.get("name"), slurm.get("job")
+    user = slurm.get("user") or user_name()
+    conf = slurm.get("slurm_conf")
+    if not name:
+        return []
+    calls: list[list[str]] = []
+    if slurm.get("own_job"):
+        calls.append(["scancel", f"--user={user}", f"--name={name}", *([str(job)] if job else [])])
+    elif job:
+        listed = _slurm_run(["squeue", "-h", "-s", "-j", str(job), "-o", "%i %j"], conf)
+        for line in (listed.stdout.splitlines() if listed and listed.returncode == 0 else []):
+            parts = line.split(None, 1)
+            if len(parts) == 2 and parts[1].strip() == name and parts[0].startswith(f"{job}."):
+                calls.append(["scancel", parts[0]])
+    for argv in calls:
+        _slurm_run(argv, conf)
+    return [" ".join(argv[1:]) for argv in calls]
+
+
+def user_name() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
+
+
+def end_launch(record: dict | None, term_wait: float = 2.0) -> tuple[list[Proc], list[str]]:
+    """End a launcher's processes and cancel its Slurm job or steps, from its ``launch.json``.
+
+    SIGTERM first (``srun`` then cancels its step, ``ssh`` closes the session so the node
+    agents read EOF), up to ``term_wait`` seconds, then SIGKILL; then ``scancel``. A recorded
+    pid is only signalled while its start time is the recorded one. Returns the processes
+    ended and the ``scancel`` calls made.
+    """
+    if not record:
+        return [], []
+    pids = _launch_pids(record)
+    procs = processes() if pids else {}
+    ended = [procs.get(pid) or Proc(pid, 0, 0, 0, None, []) for pid in pids]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + term_wait
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if pid_alive(pid)]
+        if pids:
+            time.sleep(0.05)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    slurm = record.get("slurm")
+    cancelled = cancel_slurm(slurm) if isinstance(slurm, dict) else []
+    return ended, cancelled
+
+
 def sweep(bases: Iterable[str] | None = None) -> SweepReport:
     """End the processes of every kernel of this user that has exited, and remove their
     runtime directories. Safe at any time: a live kernel is never touched.
@@ -293,6 +415,11 @@ def sweep(bases: Iterable[str] | None = None) -> SweepReport:
     kernels whose directory is gone too, by the variable in their environment.
     """
     stale = stale_runtime_dirs(bases)
+    report = SweepReport()
+    for d in stale:  # the launchers first: srun must see SIGTERM (not SIGKILL) to cancel its step
+        ended, cancelled = end_launch(read_launch(d))
+        report.killed += ended
+        report.cancelled += cancelled
     rank_pids = [pid for d in stale for pid in read_pids(d)]
     verdicts: dict[str, bool] = {os.path.normpath(d): True for d in stale}
 
@@ -302,7 +429,7 @@ def sweep(bases: Iterable[str] | None = None) -> SweepReport:
             verdicts[key] = kernel_gone(key)
         return verdicts[key]
 
-    report = SweepReport(killed=kill_selected(lambda procs: select(procs, dead, rank_pids)))
+    report.killed += kill_selected(lambda procs: select(procs, dead, rank_pids))
     for d in stale:
         shutil.rmtree(d, ignore_errors=True)
         if not os.path.exists(d):

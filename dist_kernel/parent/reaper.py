@@ -10,6 +10,10 @@ rank's session and process group (DataLoader workers; the rank pids are in
 ``RUNTIME_DIR/ranks.pids``) and whatever a rank started that left its session (``os.setsid``,
 found by ``DIST_KERNEL_RUNTIME_DIR`` in its environment); then it removes the directory. It
 exits by itself once the directory is gone, which is how a normal shutdown ends it.
+
+With ranks on other machines (``--launcher slurm|ssh``) it first ends the launcher processes
+recorded in ``RUNTIME_DIR/launch.json`` (``srun``/``ssh``: SIGTERM, 2 s, SIGKILL) and cancels
+the kernel's Slurm job (see cleanup.end_launch).
 """
 
 from __future__ import annotations
@@ -21,7 +25,15 @@ import signal
 import sys
 import time
 
-from dist_kernel.parent.cleanup import PIDS_FILE, kill_kernel_processes, read_pids
+from dist_kernel.parent.cleanup import (
+    LAUNCH_FILE,
+    PIDS_FILE,
+    end_launch,
+    kill_kernel_processes,
+    read_launch,
+    read_pids,
+    start_time,
+)
 
 
 def write_pids(runtime_dir: str, pids: list[int]) -> None:
@@ -32,8 +44,22 @@ def write_pids(runtime_dir: str, pids: list[int]) -> None:
     os.replace(path + ".tmp", path)
 
 
-def reap(runtime_dir: str, rank_pids: list[int] | None = None) -> None:
-    """SIGKILL every process of the kernel, then remove its runtime directory."""
+def write_launch(runtime_dir: str, pids: list[int], slurm: dict | None = None) -> None:
+    """Record a launcher's processes (``srun``/``ssh``) and Slurm job for the reaper and the
+    sweep (atomically). ``slurm``: {"job": id or None, "name": job name, "user": user,
+    "own_job": whether the kernel asked for the job (else it is the user's allocation),
+    "slurm_conf": $SLURM_CONF or None}; see cleanup.end_launch."""
+    record = {"pids": [[pid, start_time(pid)] for pid in pids], "slurm": slurm}
+    path = os.path.join(runtime_dir, LAUNCH_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
+def reap(runtime_dir: str, rank_pids: list[int] | None = None, launch: dict | None = None) -> None:
+    """End the launchers and cancel the Slurm job (if any), SIGKILL every process of the
+    kernel, then remove its runtime directory."""
+    end_launch(read_launch(runtime_dir) or launch)
     pids = read_pids(runtime_dir) or (rank_pids or [])
     # the ranks died a moment ago (or are alive and verified): their sessions are theirs
     kill_kernel_processes(runtime_dir, pids, trust_rank_sessions=True)
@@ -45,22 +71,33 @@ def main(parent_pid: int, runtime_dir: str, interval: float = 0.1) -> None:
     (a normal shutdown). The parent is checked first, and the rank pids are remembered: a
     sweep by another kernel may remove the directory the moment the parent dies."""
     pids: list[int] = []
-    seen = None
+    launch: dict | None = None
+    seen = seen_launch = None
     while True:
         if os.getppid() != parent_pid:
-            reap(runtime_dir, pids)
+            reap(runtime_dir, pids, launch)
             return
-        try:
-            stamp = os.stat(os.path.join(runtime_dir, PIDS_FILE)).st_mtime_ns
-        except OSError:
-            stamp = None
+        stamp, launch_stamp = _stamp(runtime_dir, PIDS_FILE), _stamp(runtime_dir, LAUNCH_FILE)
         if stamp != seen:
             pids, seen = read_pids(runtime_dir) or pids, stamp
+        # gone with the dir: remembered (a sweep may remove the dir the moment the parent dies);
+        # gone from a dir that is still there: a launcher's stop() ended everything already
+        if launch_stamp != seen_launch and (launch_stamp or os.path.isdir(runtime_dir)):
+            launch, seen_launch = read_launch(runtime_dir) if launch_stamp else None, launch_stamp
         if not os.path.isdir(runtime_dir):
             if os.getppid() != parent_pid:  # the parent died since the check above
-                reap(runtime_dir, pids)
+                reap(runtime_dir, pids, launch)
             return
         time.sleep(interval)
+
+
+def _stamp(runtime_dir: str, name: str) -> tuple[int, int] | None:
+    """Changes with every atomic rewrite (a new inode), even within one mtime tick."""
+    try:
+        st = os.stat(os.path.join(runtime_dir, name))
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 if __name__ == "__main__":

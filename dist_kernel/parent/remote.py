@@ -463,6 +463,8 @@ class RemoteLauncher:
     async def stop(self) -> None:
         """Tell every agent to stop (they end their ranks), then end the launcher (srun/ssh) and the tunnel."""
         self.stopped = True
+        if self.nodes_launcher is not None:
+            self.nodes_launcher.expect_exit()  # srun/ssh ending now is no failure
         if self.tunnel is not None:
             for n in range(self.config.nodes):
                 self.tunnel.send_ctl(n, {"type": "stop"})
@@ -480,8 +482,8 @@ class RemoteLauncher:
             for n in range(self.config.nodes):
                 self.tunnel.send_ctl(n, {"type": "stop"})
             time.sleep(0.2)
-        for pid in self.local_pids():
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGTERM)
+        if self.nodes_launcher is not None:
+            with contextlib.suppress(Exception):
+                self.nodes_launcher.stop_sync()  # SIGTERM srun/ssh, scancel a job of our own
         if self.tunnel is not None:
             self.tunnel.close()
