@@ -16,6 +16,11 @@ Frames, after the ROUTER's node identity on the parent's side:
   carries its own HMAC signature (each rank has its own key), checked at the ends.
 
 Nothing here is ever unpickled: control payloads are JSON, Jupyter frames are passed through.
+
+Over SSH the key line travels inside ssh's encryption. srun's stdin (and its environment)
+cross the cluster network in clear, so for Slurm the line is wrapped in MUNGE credentials,
+which every Slurm cluster runs: the payload is encrypted with the cluster's MUNGE key and only
+this user can decode it, once per node, within its lifetime (:func:`munge_wrap`).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import socket
+import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -88,6 +95,41 @@ def new_secrets() -> dict[str, str]:
     return {"server_public": server_public.decode(), "server_secret": server_secret.decode(),
             "client_public": client_public.decode(), "client_secret": client_secret.decode(),
             "hmac_key": secrets.token_hex(32)}
+
+
+MUNGE_PREFIX = b"MUNGE:"
+#: a MUNGE credential's lifetime: the parent sends fresh ones when a queued job starts
+MUNGE_TTL = 600
+
+
+#: unmunge's exit statuses (munge.h), in words
+_MUNGE_STATUS = {15: "the credential expired", 16: "the credential was rewound (clock skew)",
+                 17: "the credential was replayed (decoded already)", 18: "the credential is not for this user"}
+
+
+def _munge_argv(tool: str, socket_path: str | None) -> list[str]:
+    return [tool, *(["--socket", socket_path] if socket_path else [])]
+
+
+def munge_wrap(payload: bytes, socket_path: str | None, ttl: int = MUNGE_TTL) -> bytes:
+    """``payload`` as one MUNGE credential line: encrypted (aes128), decodable only by this uid."""
+    argv = [*_munge_argv("munge", socket_path), "--cipher", "aes128", "--restrict-uid", str(os.getuid()),
+            "--ttl", str(ttl)]
+    out = subprocess.run(argv, input=payload, capture_output=True, timeout=10, check=False)
+    if out.returncode != 0 or not out.stdout.startswith(MUNGE_PREFIX):
+        raise TunnelError(f"munge could not wrap the keys: {out.stderr.decode(errors='replace').strip()}")
+    return out.stdout.strip() + b"\n"
+
+
+def munge_unwrap(line: bytes, socket_path: str | None) -> bytes:
+    """The payload of a MUNGE credential line; raises :class:`TunnelError` with munge's words
+    (expired, replayed: the caller tries the next line)."""
+    out = subprocess.run([*_munge_argv("unmunge", socket_path), "--metadata", "/dev/null"], input=line,
+                         capture_output=True, timeout=10, check=False)
+    if out.returncode != 0:  # a replayed credential still prints its payload: the status decides
+        words = _MUNGE_STATUS.get(out.returncode, f"unmunge exited with status {out.returncode}")
+        raise TunnelError(" ".join(filter(None, [words, out.stderr.decode(errors="replace").strip()])))
+    return out.stdout
 
 
 def sign(key: str, payload: bytes) -> bytes:

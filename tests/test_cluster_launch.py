@@ -666,3 +666,23 @@ def test_make_launcher_picks_the_launcher(tmp_path):
     assert isinstance(ssh, SshLauncher) and ssh.hosts() == ["a", "b"]
     with pytest.raises(ValueError):
         make_launcher(config(launcher="local"), lambda i: [], str(tmp_path), LOG, print)
+
+
+def test_keys_for_slurm_nodes_travel_munge_wrapped_decodable_once_per_munged_and_never_in_clear(lab):
+    from dist_kernel import tunnel
+
+    sock = cluster.munge_socket(lab)
+    assert sock == "/run/dk-cluster-lab/munge/munge.socket"  # the lab's own munged (AuthInfo)
+    secret = b'{"client_secret": "' + uuid.uuid4().hex.encode() + b'"}\n'
+    line = tunnel.munge_wrap(secret, sock)
+    assert line.startswith(tunnel.MUNGE_PREFIX) and line.count(b"\n") == 1
+    assert secret.strip() not in line and b"client_secret" not in line  # the payload is encrypted
+    # decoded on a node (inside n1's namespace), as the agent does
+    decode = [sys.executable, "-c", "import sys; from dist_kernel import tunnel; "
+              f"sys.stdout.buffer.write(tunnel.munge_unwrap(sys.stdin.buffer.read(), {sock!r}))"]
+    first = subprocess.run(["ip", "netns", "exec", "n1", *decode], input=line, capture_output=True, timeout=30)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == secret
+    # the same credential again (a second node on the same munged, or a replay) is refused
+    again = subprocess.run(["ip", "netns", "exec", "n2", *decode], input=line, capture_output=True, timeout=30)
+    assert again.returncode != 0 and b"eplayed" in again.stderr

@@ -277,6 +277,28 @@ class NodeAgent:
             self.ctx.destroy(linger=0)
 
 
+def read_bootstrap(munge: bool, socket_path: str | None, fd: int = 0) -> tunnel.Bootstrap:
+    """The keys from stdin: one JSON line (ssh), or MUNGE credential lines (srun), of which the
+    first that decodes on this node wins: one may have expired in the queue, or (several nodes
+    sharing one munged) been decoded by another node already."""
+    errors: list[str] = []
+    while True:
+        line = _read_line(fd)
+        if not line.strip():
+            fail("no key line on stdin that decodes here"
+                 + (f" ({'; '.join(dict.fromkeys(errors))})" if errors else "")
+                 + ". Fix: the keys come from the parent's launcher; with Slurm, munged must run on every "
+                 "node with the cluster's key", 2)
+        if not munge:
+            return tunnel.Bootstrap.decode(line)
+        if not line.startswith(tunnel.MUNGE_PREFIX):
+            fail("refused a key line that is not MUNGE-wrapped (srun's stdin crosses the network in clear)", 2)
+        try:
+            return tunnel.Bootstrap.decode(tunnel.munge_unwrap(line, socket_path))
+        except tunnel.TunnelError as e:
+            errors.append(str(e))
+
+
 def _read_line(fd: int = 0) -> bytes:
     """The bootstrap line, read straight from the file descriptor: Python's buffered stdin
     would leave a lock held by the watcher thread at exit (a fatal error on shutdown)."""
@@ -301,15 +323,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dist_kernel.node", description=__doc__.split("\n")[0])
     parser.add_argument("--parent", required=True, help="tcp://ADDR:PORT of the parent's listener")
     parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (default: SLURM_NODEID)")
+    parser.add_argument("--munge", action="store_true", help="the key lines are MUNGE credentials (srun)")
+    parser.add_argument("--munge-socket", default=None, help="munged's socket (default: munged's own default)")
     args = parser.parse_args(argv)
     node = args.node_rank if args.node_rank is not None else int(os.environ.get("SLURM_NODEID", "-1"))
     if node < 0:
         fail("no node rank: pass --node-rank or run under srun (SLURM_NODEID)", 2)
-    line = _read_line()
-    if not line.strip():
-        fail("no bootstrap line on stdin (the keys come from the parent's launcher)", 2)
     try:
-        boot = tunnel.Bootstrap.decode(line)
+        boot = read_bootstrap(args.munge, args.munge_socket)
     except tunnel.TunnelError as e:
         fail(str(e), 2)
     agent = NodeAgent(args.parent, node, boot)

@@ -242,6 +242,12 @@ def slurmctld_host(environ: Mapping[str, str] | None = None) -> str | None:
     return parse_slurmctld_host(_run(["scontrol", "show", "config"], environ) or "")
 
 
+def munge_socket(environ: Mapping[str, str] | None = None) -> str | None:
+    """The MUNGE socket Slurm uses (``AuthInfo = socket=PATH``), or None for munged's default."""
+    m = re.search(r"^\s*AuthInfo\s*=.*\bsocket=([^,\s]+)", _run(["scontrol", "show", "config"], environ) or "", re.M)
+    return m.group(1) if m else None
+
+
 def parse_slurmctld_host(config_text: str) -> str | None:
     m = re.search(r"^\s*SlurmctldHost(?:\[0\])?\s*=\s*([^\s(]+)(?:\(([^)\s]+)\))?", config_text, re.M)
     if m:
@@ -394,8 +400,8 @@ class NodeLauncher:
             raise
 
     def _spawn(self, bootstrap: bytes) -> None:
-        if not bootstrap.endswith(b"\n") or b"\n" in bootstrap[:-1]:
-            raise ValueError("the bootstrap must be one line ending in a newline")
+        if not bootstrap.endswith(b"\n"):
+            raise ValueError("the bootstrap must be whole lines, ending in a newline")
         for label, host, argv in self.commands():
             self.log.info("starting %s: %s", label, shlex.join(argv))
             try:
@@ -418,6 +424,18 @@ class NodeLauncher:
                 popen.stdin.flush()
             except OSError:  # it died at once: failure() says why
                 pass
+
+    def send(self, lines: bytes) -> None:
+        """More lines for every agent's stdin (fresh MUNGE-wrapped keys once the job left the queue)."""
+        with self._lock:
+            children = list(self._children)
+        for child in children:
+            try:
+                assert child.popen.stdin is not None
+                child.popen.stdin.write(lines)
+                child.popen.stdin.flush()
+            except (OSError, ValueError):  # exited or closed: failure() says why
+                continue
 
     def _read(self, child: _Child) -> None:
         """Read a launcher process's output line by line until it closes; note its exit."""

@@ -313,6 +313,8 @@ class RemoteLauncher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queued = False
         self._launched_at = 0.0
+        self._munge = False
+        self._fresh_keys: Callable[[], bytes] = bytes
         self.stopped = False
 
     def _event(self, node: int, event: dict) -> None:
@@ -333,6 +335,9 @@ class RemoteLauncher:
         elif self._queued:  # out of the queue: the connect timeout counts from now
             self._queued = False
             self._launched_at = time.monotonic()
+            if self._munge and self.nodes_launcher is not None:
+                with contextlib.suppress(Exception):  # the first credentials may have expired meanwhile
+                    self.nodes_launcher.send(self._fresh_keys())
         self.on_note(text)
 
     async def launch_all(self) -> dict[int, RemoteRankProcess]:
@@ -359,13 +364,31 @@ class RemoteLauncher:
             gpus=list(cfg.gpus), port_range=list(cfg.port_range) if cfg.port_range else None,
             extra_argv=list(self.extra_argv), parent_pid=os.getpid(), parent_host=socket.gethostname())
 
+        # srun's stdin crosses the network in clear: wrap the keys in MUNGE credentials, one per
+        # node (nodes may share one munged, which decodes each credential once)
+        self._munge = cfg.launcher == "slurm"
+        munge_socket = cluster.munge_socket() if self._munge else None
+
+        def keys() -> bytes:
+            if not self._munge:
+                return boot.encode()
+            try:
+                return b"".join(tunnel.munge_wrap(boot.encode(), munge_socket) for _ in range(cfg.nodes))
+            except (OSError, tunnel.TunnelError) as e:
+                raise RankStartError(f"cannot protect the keys for the nodes with MUNGE: {e}. Fix: run the kernel "
+                                     "on a machine of the Slurm cluster (munge installed, munged running).") from None
+
+        self._fresh_keys = keys
+
         def agent_argv(node: int | None) -> list[str]:
             argv = [sys.executable, "-m", "dist_kernel.node", "--parent", self.endpoint]
+            if self._munge:
+                argv += ["--munge", *(["--munge-socket", munge_socket] if munge_socket else [])]
             return argv + (["--node-rank", str(node)] if node is not None else [])
 
         self.nodes_launcher = cluster.make_launcher(cfg, agent_argv, self.runtime_dir, self.log, self._note)
         self._launched_at = time.monotonic()
-        await self.nodes_launcher.start(boot.encode())
+        await self.nodes_launcher.start(keys())
 
         hellos = await self._gather("hello", lambda n: f"node {n} never connected to the parent at {self.endpoint}")
         master_addr = hellos[0]["address"]
