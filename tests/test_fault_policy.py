@@ -3,6 +3,8 @@ in test_faults.py and test_wedges.py exercise the same rules end to end)."""
 
 from __future__ import annotations
 
+import pytest
+
 from dist_kernel.parent.fault_policy import Cell, Judge, Seen, after_cell, look_due
 
 WORLD = (0, 1)
@@ -194,3 +196,45 @@ def test_a_rank_dead_before_or_during_a_reformation_means_a_restart():
 
 def test_a_reformation_waits_for_a_rank_left_running():
     assert after_cell(torn_down=True, broke=False, dead=(), left_running=(1,)) == "later"
+
+
+# ------------------------------------------------------------ rule 6: ranks on other machines
+def test_a_rank_that_exited_on_a_node_outranks_what_followed_from_it():
+    from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit
+
+    heard = [RemoteCause("ending", "the agent on n1 got SIGTERM"), RemoteCause("launcher", "srun exited"),
+             RemoteCause("exited", "rank 3 on n2 was killed by SIGKILL", (3,))]
+    assert remote_culprit(heard).ranks == (3,)
+
+
+def test_a_silent_node_outranks_the_launcher_and_an_agents_own_word():
+    from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit
+
+    heard = [RemoteCause("ending", "n1 ending"), RemoteCause("launcher", "srun: error: n2: task 1: Killed"),
+             RemoteCause("lost", "node 1 (n2) stopped answering", (2, 3))]
+    assert remote_culprit(heard).kind == "lost"
+
+
+def test_a_killed_agent_is_named_by_the_launcher_not_by_the_agents_srun_then_terminated():
+    from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit
+
+    heard = [RemoteCause("ending", "the node agent on node 0 (n1) is ending its ranks: it got SIGTERM"),
+             RemoteCause("launcher", "srun exited with code 137: srun: error: n2: task 1: Killed")]
+    assert "n2" in remote_culprit(heard).text
+
+
+def test_a_rank_terminated_by_scancel_yields_to_the_agents_word():
+    from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit
+
+    heard = [RemoteCause("terminated", "rank 1 on n2 was killed by SIGTERM", (1,)),
+             RemoteCause("ending", "the node agent on node 0 (n1) is ending its ranks: it got SIGTERM (scancel, ...)")]
+    assert remote_culprit(heard).kind == "ending"
+
+
+def test_within_a_kind_the_first_heard_is_named():
+    from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit
+
+    heard = [RemoteCause("ending", "first"), RemoteCause("ending", "second")]
+    assert remote_culprit(heard).text == "first"
+    with pytest.raises(ValueError):
+        remote_culprit([])

@@ -21,6 +21,14 @@ each busy rank waits, the time) and gets back a decision. The rules:
    Five seconds after it, ranks still busy are left behind so that the cell ends.
 5. **Stopped or silent ranks** (SIGSTOP, a debugger, C code holding the GIL) are named; the
    group is left alone, since resuming the rank may resume the cell.
+6. **Ranks on other machines** (:func:`remote_culprit`). One fault there sets off others: a
+   killed agent makes srun SIGTERM the agents on the other nodes; a cancelled job ends srun.
+   The kernel collects what it hears for a moment and names the most specific cause: a rank
+   that exited by itself or was killed (the OOM killer), then a node that fell silent, then
+   what the launcher (srun, ssh) said as it ended, then an agent's own word that it is ending
+   (SIGTERM), then a rank that was terminated (scancel signals every process of the step); the
+   earliest within a kind.
+   The ranks on every node are then stopped.
 
 A legitimate long collective that every rank is in, and a long computation, are never cut.
 """
@@ -214,6 +222,27 @@ def after_cell(torn_down: bool, broke: bool, dead: Iterable[int], left_running: 
     if any(True for _ in left_running):
         return "later"
     return "reform"
+
+
+RemoteKind = Literal["exited", "lost", "launcher", "ending", "terminated"]
+_REMOTE_ORDER: tuple[RemoteKind, ...] = ("exited", "lost", "launcher", "ending", "terminated")
+
+
+@dataclass(frozen=True)
+class RemoteCause:
+    """One thing heard about a fault on another machine."""
+
+    kind: RemoteKind
+    text: str
+    ranks: tuple[int, ...] = ()  # the ranks it took with it
+
+
+def remote_culprit(causes: Iterable[RemoteCause]) -> RemoteCause:
+    """The cause to report, of all heard in the settling moment (rule 6)."""
+    heard = list(causes)
+    if not heard:
+        raise ValueError("no cause heard")
+    return min(heard, key=lambda c: (_REMOTE_ORDER.index(c.kind), heard.index(c)))
 
 
 def _call(s: Seen) -> str:

@@ -293,7 +293,7 @@ class RemoteLauncher:
     """Starts the node agents (through Slurm or SSH), waits for them, and hands out their ranks."""
 
     def __init__(self, config: KernelConfig, runtime_dir: str, extra_argv: list[str], log: logging.Logger,
-                 on_note: Callable[[str], None], on_fault: Callable[[str, list[int]], None],
+                 on_note: Callable[[str], None], on_fault: Callable[[str, list[int], str], None],
                  on_rank_event: Callable[[int, dict], None]) -> None:
         self.config = config
         self.runtime_dir = runtime_dir
@@ -466,7 +466,8 @@ class RemoteLauncher:
         if kind == "ending" and not self.stopped:
             host = self._host(node)
             ranks = [r for r, p in self.processes.items() if p.node.index == node]
-            self.on_fault(f"the node agent on node {node} ({host}) is ending its ranks: {event.get('reason')}", ranks)
+            self.on_fault(f"the node agent on node {node} ({host}) is ending its ranks: {event.get('reason')}", ranks,
+                          "ending")
             return
         if kind == "lost" and not self.stopped:
             assert self.tunnel is not None
@@ -475,7 +476,7 @@ class RemoteLauncher:
             for r in ranks:
                 self.processes[r].gone = f"was lost with its node {host} (silent for {event['silent']:.0f}s)"
             self.on_fault(f"node {node} ({host}) stopped answering for {event['silent']:.0f}s "
-                          "(link down, the node agent killed, or the Slurm job ended)", ranks)
+                          "(link down, the node agent killed, or the Slurm job ended)", ranks, "lost")
 
     def failure(self) -> str | None:
         return self.nodes_launcher.failure() if self.nodes_launcher is not None else None

@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from dist_kernel.exceptions import ConfigError, RankDiedError, RankRequestError,
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.channels import RankChannel
 from dist_kernel.parent.cleanup import kill_kernel_processes, make_runtime_dir, sweep
+from dist_kernel.parent.fault_policy import RemoteCause, RemoteKind, remote_culprit
 from dist_kernel.parent.launcher import LocalLauncher, RankProcess, describe_exit, state_words
 from dist_kernel.parent.reaper import write_pids
 from dist_kernel.parent.remote import RemoteLauncher, RemoteRankProcess
@@ -35,6 +37,8 @@ LOG_TAIL_LINES = 30
 ANSWER_TIMEOUT = 2.0
 #: /proc states of a process that will not run until someone resumes it
 STOPPED = ("T", "t")
+#: how long the kernel listens for more news of a fault on another machine before naming its cause
+FAULT_SETTLE = 1.0
 
 
 @dataclass
@@ -107,6 +111,9 @@ class RankSupervisor:
         self.start_error: str | None = None
         self.closing = False
         self._watch_task: asyncio.Task | None = None
+        # faults on other machines, heard for FAULT_SETTLE before one is named (fault_policy rule 6)
+        self._causes: list[RemoteCause] = []
+        self._fault_reported = False
         # cleans up if this process is SIGKILLed (see reaper.py); exits when the dir is gone
         self._reaper = subprocess.Popen(
             [sys.executable, "-m", "dist_kernel.parent.reaper", str(os.getpid()), self.runtime_dir],
@@ -299,7 +306,7 @@ class RankSupervisor:
                 if self.remote is not None and self.ready.is_set() and not self.remote.stopped:
                     failure = self.remote.failure()  # srun or ssh ended: scancel, a time limit, a lost link
                     if failure:
-                        self._on_remote_fault(failure, [])
+                        self._on_remote_fault(failure, [], "launcher")
                         continue
                 state = r.process.os_state()
                 stopped = state_words(state) if state in STOPPED else ""
@@ -319,27 +326,44 @@ class RankSupervisor:
         with contextlib.suppress(Exception):
             self.on_death(r.rank, reason)
 
-    def _on_remote_exit(self, rank: int, event: dict) -> None:
+    def _on_remote_exit(self, rank: int, event: dict) -> None:  # noqa: ARG002
         """A rank on another machine exited (the OOM killer, a crash): reported as on one machine,
         then the ranks on every node are stopped (a group cannot go on without it)."""
         r = self.ranks.get(rank)
         if r is None or self.closing:
             return
         self._died(r, describe_exit(r.process.exit_code()))
-        self._on_remote_fault(f"rank {rank} on {r.host} {r.exit_reason}", [])
+        # SIGTERM comes from outside (scancel, a time limit): the agent's own word names it better
+        code = r.process.exit_code()
+        kind: RemoteKind = "terminated" if code == -signal.SIGTERM else "exited"
+        self._on_remote_fault(f"rank {rank} on {r.host} {r.exit_reason}", [rank], kind)
 
-    def _on_remote_fault(self, what: str, lost: list[int]) -> None:
-        """A node was lost, its agent ended, or the launcher (srun, ssh) ended: name the host and
-        ranks, and stop the survivors on every node, so nothing is left running."""
-        if self.closing or self.remote is None:
+    def _on_remote_fault(self, what: str, lost: list[int], kind: RemoteKind = "launcher") -> None:
+        """Something went wrong on another machine: a node lost, its agent ending, the launcher
+        (srun, ssh) ended. Hear what else follows for a moment, then name the cause."""
+        if self.closing or self.remote is None or self._fault_reported:
             return
-        for rank in lost:
+        cause = RemoteCause(kind, what, tuple(lost))
+        if cause in self._causes:
+            return
+        self._causes.append(cause)
+        if len(self._causes) == 1:
+            asyncio.get_running_loop().call_later(FAULT_SETTLE, self._report_remote_fault)
+
+    def _report_remote_fault(self) -> None:
+        """Name the cause on the ranks it took, stop the survivors on every node: nothing is
+        left running anywhere."""
+        if self.closing or self.remote is None or self._fault_reported:
+            return
+        self._fault_reported = True
+        cause = remote_culprit(self._causes)
+        for rank in cause.ranks:
             if rank in self.ranks:
-                self._died(self.ranks[rank], f"is gone: {what}")
+                self._died(self.ranks[rank], f"is gone: {cause.text}")
         for r in self.ranks.values():
-            self._died(r, f"was stopped on {r.host}: {what}")
+            self._died(r, f"was stopped on {r.host}: {cause.text}")
         if not self.ready.is_set() and self.start_error is None:
-            self.start_error = f"{what}. Restart the kernel to try again."
+            self.start_error = f"{cause.text}. Restart the kernel to try again."
         asyncio.ensure_future(self.remote.stop())
 
     def _rank_states(self) -> str:
