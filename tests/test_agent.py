@@ -60,3 +60,27 @@ def test_a_rank_that_never_used_cuda_does_not_touch_it(cuda):
 def test_where_reports_the_main_thread_outside_any_collective():
     info = rank_agent.where()
     assert info.collective is None and info.group_ranks == [] and not info.busy
+
+
+def test_a_rank_that_cannot_reach_rank_0s_rendezvous_names_the_address_instead_of_hanging(monkeypatch):
+    import socket
+
+    from dist_kernel.rank import rendezvous
+
+    with socket.socket() as s:  # a port nothing listens on (bound, never listening)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        monkeypatch.setattr(rendezvous, "REACH_TIMEOUT", 1.0)
+        with pytest.raises(RuntimeError, match=rf"rank 3 on .* cannot reach rank 0's rendezvous at 127\.0\.0\.1:{port}"):
+            rendezvous._check_reachable(3, "127.0.0.1", port)
+
+
+def test_a_rank_reaches_rank_0s_rendezvous_once_it_listens():
+    import socket
+
+    from dist_kernel.rank import rendezvous
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        rendezvous._check_reachable(1, "127.0.0.1", s.getsockname()[1])  # returns: no error
