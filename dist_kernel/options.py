@@ -319,35 +319,10 @@ def _switch(name: str, raw: str | None, default: bool) -> bool:
     return value in ("on", "true", "1")
 
 
-def _local_gpus(raw: str | None, gpus_avail: list[int]) -> list[int]:
-    """--gpus for ranks on this machine: checked against the GPUs this machine shows."""
+def _gpu_list(raw: str | None, where: str) -> list[int] | None:
+    """--gpus as ids; None when not given, [] for ``none``/``cpu``; an error names ``where``."""
     if raw in (None, ""):
-        return list(gpus_avail)
-    text = str(raw).strip()
-    if text.lower() in ("none", "cpu"):
-        return []
-    try:
-        gpus = [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise ConfigError(f"--gpus {text!r} must be a comma list of GPU ids like 0,1. {FIX_HINT}") from None
-    missing = [g for g in gpus if g not in gpus_avail]
-    if missing:
-        have = ", ".join(map(str, gpus_avail)) or "none"
-        raise ConfigError(
-            f"--gpus {text}: GPU {', '.join(map(str, missing))} does not exist on this machine "
-            f"(visible GPUs: {have}). {FIX_HINT}")
-    if len(set(gpus)) != len(gpus):
-        raise ConfigError(f"--gpus {text} lists a GPU twice. {FIX_HINT}")
-    return gpus
-
-
-def _remote_gpus(raw: str | None) -> list[int]:
-    """--gpus for ranks on other machines: ids on each node, which this machine cannot check.
-
-    Without --gpus the ranks use the CPU: the parent cannot see the nodes' GPUs.
-    """
-    if raw in (None, ""):
-        return []
+        return None
     text = str(raw).strip()
     if text.lower() in ("none", "cpu"):
         return []
@@ -356,11 +331,32 @@ def _remote_gpus(raw: str | None) -> list[int]:
     except ValueError:
         gpus = [-1]
     if not gpus or any(g < 0 for g in gpus):
-        raise ConfigError(
-            f"--gpus {text!r} must be a comma list of GPU ids on each node like 0,1,2,3. {FIX_HINT}")
+        raise ConfigError(f"--gpus {text!r} must be a comma list of GPU ids{where} like 0,1. {FIX_HINT}")
     if len(set(gpus)) != len(gpus):
         raise ConfigError(f"--gpus {text} lists a GPU twice. {FIX_HINT}")
     return gpus
+
+
+def _local_gpus(raw: str | None, gpus_avail: list[int]) -> list[int]:
+    """--gpus for ranks on this machine: checked against the GPUs this machine shows."""
+    gpus = _gpu_list(raw, "")
+    if gpus is None:
+        return list(gpus_avail)
+    missing = [g for g in gpus if g not in gpus_avail]
+    if missing:
+        have = ", ".join(map(str, gpus_avail)) or "none"
+        raise ConfigError(
+            f"--gpus {str(raw).strip()}: GPU {', '.join(map(str, missing))} does not exist on this machine "
+            f"(visible GPUs: {have}). {FIX_HINT}")
+    return gpus
+
+
+def _remote_gpus(raw: str | None) -> list[int]:
+    """--gpus for ranks on other machines: ids on each node, which this machine cannot check.
+
+    Without --gpus the ranks use the CPU: the parent cannot see the nodes' GPUs.
+    """
+    return _gpu_list(raw, " on each node") or []
 
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_][A-Za-z0-9_-]{0,62})*\.?$")

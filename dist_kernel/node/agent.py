@@ -34,6 +34,7 @@ import time
 import zmq
 
 from dist_kernel import tunnel
+from dist_kernel.parent.launcher import file_tail
 from dist_kernel.placement import rank_env, rank_of
 
 #: how long the agent tries to reach the parent before it reports the address as unreachable
@@ -95,11 +96,7 @@ class RankChild:
             return ""
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+        return file_tail(self.log_path, lines)
 
     def signal(self, signum: int) -> None:
         with contextlib.suppress(OSError):

@@ -121,11 +121,16 @@ class RankProcess:
 
     def log_tail(self, lines: int = 30) -> str:
         """The end of what the rank process wrote outside Jupyter (C-level crashes land here)."""
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+        return file_tail(self.log_path, lines)
+
+
+def file_tail(path: str, lines: int = 30) -> str:
+    """The last lines of a log file ("" when it cannot be read)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def state_words(letter: str) -> str:
