@@ -69,6 +69,10 @@ class Bootstrap:
     extra_argv: list[str] = field(default_factory=list)  # for every rank kernel
     parent_pid: int = 0
     parent_host: str = ""
+    #: the parent's working directory (ranks start there when the node has it, as srun does) and
+    #: PYTHONPATH (ssh logins do not carry it): a notebook's relative paths and local imports work
+    cwd: str = ""
+    pythonpath: str = ""
 
     @property
     def world_size(self) -> int:

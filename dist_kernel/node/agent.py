@@ -148,6 +148,11 @@ class NodeAgent:
             hello["master_port"] = free_port(self.address, self.boot.port_range, avoid=port)
         self.send_ctl(hello)
 
+    def cwd(self) -> str:
+        """Where the ranks start: the parent's directory when this node has it (a shared
+        filesystem), else the agent's own (srun: the same; ssh: the login's home)."""
+        return self.boot.cwd if self.boot.cwd and os.path.isdir(self.boot.cwd) else os.getcwd()
+
     def send_ctl(self, event: dict) -> None:
         self.sock.send_multipart(tunnel.pack_ctl(self.boot.hmac_key, event))
 
@@ -166,11 +171,13 @@ class NodeAgent:
                            world_size=boot.world_size, master_addr=master_addr, master_port=master_port,
                            runtime_dir=self.runtime_dir, parent_pid=os.getpid(), gpus=boot.gpus,
                            ifname=self.ifname, kernel_pid=boot.parent_pid)
+            if boot.pythonpath and "PYTHONPATH" not in os.environ:
+                env["PYTHONPATH"] = boot.pythonpath
             log_path = os.path.join(self.runtime_dir, f"rank{rank}.log")
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen([sys.executable, "-m", "dist_kernel.rank", "-f", cf, *boot.extra_argv],
                                         env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                        start_new_session=True, cwd=os.getcwd())
+                                        start_new_session=True, cwd=self.cwd())
             sockets = {}
             identity = f"relay-{rank}".encode()  # one identity on shell and stdin: input() needs it
             for name, kind in ((b"shell", zmq.DEALER), (b"control", zmq.DEALER), (b"stdin", zmq.DEALER),

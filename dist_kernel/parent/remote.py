@@ -362,7 +362,8 @@ class RemoteLauncher:
             client_secret=self.keys["client_secret"], hmac_key=self.keys["hmac_key"],
             rank_keys=dict(self.keys["rank_keys"]), nodes=cfg.nodes, ranks_per_node=cfg.ranks_per_node,  # type: ignore[arg-type]
             gpus=list(cfg.gpus), port_range=list(cfg.port_range) if cfg.port_range else None,
-            extra_argv=list(self.extra_argv), parent_pid=os.getpid(), parent_host=socket.gethostname())
+            extra_argv=list(self.extra_argv), parent_pid=os.getpid(), parent_host=socket.gethostname(),
+            cwd=os.getcwd(), pythonpath=os.environ.get("PYTHONPATH", ""))
 
         # srun's stdin crosses the network in clear: wrap the keys in MUNGE credentials, one per
         # node (nodes may share one munged, which decodes each credential once)

@@ -3,6 +3,7 @@
 #
 #   tests/cluster/lab.sh up | down | status | run-srun-check | run-ssh-check | run-net-check
 #   tests/cluster/lab.sh cut n2 | heal n2        # simulate losing / regaining a node
+#   tests/cluster/lab.sh ps [--ours]             # processes in the node namespaces (--ours: dist_kernel only)
 #
 # Layout (see tests/cluster/README.md):
 #   root netns : bridge $LAB_BR 10.77.0.1/24, munged, slurmctld (own UTS ns, hostname "ctl")
@@ -21,7 +22,8 @@ LAB_BR=${LAB_BR:-dklab0}
 LAB_IF=lab0                            # interface name inside every node namespace
 NODES=(n1 n2)
 HOSTS_TAG="# dk-cluster-lab"
-PY=${LAB_PYTHON:-/work/main/.venv/bin/python}
+REPO=$(cd "$(dirname "$(readlink -f "$0")")/../.." && pwd)
+PY=${LAB_PYTHON:-$REPO/.venv/bin/python}   # this checkout's venv (CI may clone anywhere)
 CPUS_PER_NODE=${LAB_CPUS:-4}           # > real cores is fine: SlurmdParameters=config_overrides
 
 die()  { echo "lab: $*" >&2; exit 1; }
@@ -522,6 +524,19 @@ cmd_heal() {
   echo "$1 back: $(sinfo -h -n "$1" -o %t)"
 }
 
+cmd_ps() {  # every process in each node namespace (pid, state, command line); --ours: dist_kernel's only
+  local ours=${1:-} n p cmd st
+  for n in "${NODES[@]}"; do
+    echo "== $n"
+    for p in $(ip netns pids "$n" 2>/dev/null); do
+      cmd=$(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null) || continue
+      st=$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)
+      [[ $ours == --ours && $cmd != *dist_kernel* ]] && continue
+      printf '%7s %s %s\n' "$p" "${st:-?}" "${cmd:-[$(cat "/proc/$p/comm" 2>/dev/null)]}"
+    done
+  done
+}
+
 case "${1:-}" in
   up) cmd_up ;;
   down) cmd_down ;;
@@ -531,5 +546,6 @@ case "${1:-}" in
   run-net-check) cmd_net_check ;;
   cut) cmd_cut "${2:-}" ;;
   heal) cmd_heal "${2:-}" ;;
-  *) echo "usage: $0 up|down|status|run-srun-check|run-ssh-check|run-net-check|cut NODE|heal NODE" >&2; exit 2 ;;
+  ps) cmd_ps "${2:-}" ;;
+  *) echo "usage: $0 up|down|status|run-srun-check|run-ssh-check|run-net-check|cut NODE|heal NODE|ps [--ours]" >&2; exit 2 ;;
 esac
