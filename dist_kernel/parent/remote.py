@@ -348,6 +348,11 @@ class RemoteLauncher:
         self._loop = asyncio.get_running_loop()
         cluster.check_allocation(cfg)
         address = cfg.listen or cluster.default_listen(cfg)
+        try:  # ZMQ binds to addresses, not names; the nodes then connect to that address too
+            address = socket.gethostbyname(address)
+        except OSError as e:
+            raise ConfigError(f"--listen {address}: cannot resolve it ({e}). Fix: give an IP address of this "
+                              "machine that the nodes can reach, then restart the kernel.") from None
         self.tunnel = Tunnel(cfg, self.keys, self.runtime_dir, self._event, self.log)
         try:
             port = self.tunnel.bind(address)
