@@ -6,8 +6,8 @@ import math
 from pathlib import Path
 
 SECTIONS = ("## 1. Cell round trip", "## 2. Startup", "## 3. Streaming", "## 4. Training",
-            "## 5. Parent cost", "## 6. Scaling", "## 7. Idle cost", "## Targets")
-IDLE_SECTION, TARGETS_SECTION = SECTIONS[6], SECTIONS[7]
+            "## 5. Parent cost", "## 6. Scaling", "## 7. Idle cost", "## 8. Several machines", "## Targets")
+IDLE_SECTION, CLUSTER_SECTION, TARGETS_SECTION = SECTIONS[6], SECTIONS[7], SECTIONS[-1]
 README_BEGIN, README_END = "<!-- results:begin -->", "<!-- results:end -->"
 #: the idle section has its own block in the README (``--only idle`` refreshes it alone)
 IDLE_MARKERS = ("<!-- idle:begin -->", "<!-- idle:end -->")
@@ -97,6 +97,33 @@ def targets(res: dict) -> list[tuple[str, str, bool | None]]:
     if rss:
         worst = max(rss, key=lambda x: x[1])
         out.append(("parent resident memory < 80 MB", f"max {worst[1]:.0f} MB (at {worst[0]} ranks)", worst[1] < 80))
+    return out
+
+
+def targets_issue14(res: dict) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) for issue 14 (per-cell overhead, training, identical output)."""
+    dist = res.get("dist", {})
+    out: list[tuple[str, str, bool | None]] = []
+    rt = []
+    for n in (1, 2, 4):
+        d, p = dist.get(str(n)), _peer(res, "ipyparallel", n)
+        if d and p.get("median") is not None:
+            rt.append((n, d["rt"]["median"], p["median"]))
+    if rt:
+        out.append(("round trip <= ipyparallel `%px` at 1, 2, 4 ranks (issue 14)",
+                    "; ".join(f"{n}: {ms(a)} vs {ms(b)} ms" for n, a, b in rt), all(a <= b for _, a, b in rt)))
+    d = dist.get("2")
+    if d:
+        cpu = d["rt"].get("cpu_per_cell")
+        out.append(("parent CPU per trivial cell <= 2 ms at 2 ranks (issue 14)", f"{ms(cpu)} ms",
+                    cpu is not None and cpu <= 0.002))
+        r = ratio(_thr(d), _thr({"thr": d["plain_thr"]}))
+        out.append(("identical-output throughput >= 0.5x plain at 2 ranks (issue 14)", f"{r:.3f}x", _ok(r) and r >= 0.5))
+    tr = [(n, ratio(dist[str(n)]["train"]["median_step_s"], dist[str(n)]["torchrun"]["median_step_s"]))
+          for n in (1, 2) if str(n) in dist]
+    if tr:
+        out.append(("DDP step <= 1.02x torchrun at 1 and 2 ranks (issue 14)",
+                    "; ".join(f"{n} ranks {r:.3f}x" for n, r in tr), all(_ok(r) and r <= 1.02 for _, r in tr)))
     return out
 
 
@@ -243,13 +270,15 @@ def idle_block(res: dict) -> str:
 
 
 def markdown(res: dict, idle: bool = True) -> str:
-    """The whole report; ``idle=False`` leaves out section 7 and its targets (the README has them in
-    their own block)."""
+    """The whole report; ``idle=False`` leaves out sections 7 and 8 and the idle targets (the README
+    has them in their own blocks)."""
+    from benchmarks import cluster
+
     dist = res.get("dist", {})
     meta = res.get("meta", {})
     lines = ["# dist_kernel benchmarks", "", *_header(res)]
-    if not dist:  # --only idle
-        return "\n".join(lines + [idle_block(res)])
+    if not dist:  # --only idle, --only cluster
+        return "\n".join(lines + [idle_block(res) if res.get("idle") else cluster.markdown(res)])
 
     # 1. round trip
     lines += [SECTIONS[0], "", "`x = 1`, from sending execute_request to the kernel's idle status, in ms. "
@@ -301,7 +330,8 @@ def markdown(res: dict, idle: bool = True) -> str:
               "agree on the stamp with an all_reduce first (identical lines, shown once); *rank0*: only rank 0 "
               "prints. Throughput: one `sys.stdout.write` of "
               f"{meta.get('sizes', {}).get('thr_mb')} MB in 100-byte lines, identical on every rank; MB of one copy "
-              "per second from send to idle.", ""]
+              "per second from send to idle (in the full run the median of three prints, each paired with one "
+              "on the plain kernel, with the output budget refilled before each).", ""]
     pl = res.get("plain", {}).get("lat", {})
     rows = [["plain ipykernel", ms(pl.get("p50")), ms(pl.get("p99")), "", "", "", "see rows"]]
     for n in _ranks(res):
@@ -322,7 +352,8 @@ def markdown(res: dict, idle: bool = True) -> str:
     lines += [SECTIONS[3], "", f"DDP (gloo, CPU) MLP width {tcfg.get('width')}, depth {tcfg.get('depth')}, batch "
               f"{tcfg.get('batch')} per rank, {tcfg.get('steps')} timed steps after {tcfg.get('warmup')} warm-up; "
               "the same function (`benchmarks/ddp_train.py`) in the kernel and under "
-              "`python -m torch.distributed.run --standalone`. Median step time of rank 0, ms.", ""]
+              "`python -m torch.distributed.run --standalone`. Median step time of rank 0, ms; in the full run, "
+              "the run with the median of three on each side.", ""]
     rows = []
     for n in _ranks(res):
         d = dist[str(n)]
@@ -368,10 +399,15 @@ def markdown(res: dict, idle: bool = True) -> str:
     if idle and res.get("idle"):
         lines += [idle_markdown(res)]
 
+    # 8. several machines (its own block in the README)
+    if idle:
+        lines += [cluster.markdown(res)]
+
     # targets
     lines += [TARGETS_SECTION, ""]
     with_idle = idle and bool(res.get("idle"))
-    rows = [[t, m, _RESULT[ok]] for t, m, ok in targets(res) + (idle_targets(res) if with_idle else [])]
+    rows = [[t, m, _RESULT[ok]] for t, m, ok in targets(res) + targets_issue14(res)
+            + (idle_targets(res) if with_idle else [])]
     lines += _table(["target (issue 6, 12)" if with_idle else "target (issue 6)", "measured", "result"], rows)
     return "\n".join(lines)
 

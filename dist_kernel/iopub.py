@@ -9,6 +9,8 @@ reaches the frontend within what a notebook can show.
 
 from __future__ import annotations
 
+from typing import Any
+
 import zmq
 from ipykernel.iostream import IOPubThread
 from ipykernel.kernelapp import IPKernelApp
@@ -16,6 +18,14 @@ from ipykernel.kernelapp import IPKernelApp
 
 class UnboundedIOPubApp(IPKernelApp):
     """IPKernelApp with ``SNDHWM = 0`` on its IOPub socket."""
+
+    def initialize(self, argv: Any = None) -> None:
+        super().initialize(argv)
+        # traitlets leaves the logger at DEBUG and filters in its handler: ipykernel's half a
+        # dozen debug calls per request would each build a record only to drop it (issue 14)
+        levels = [h.level for h in self.log.handlers]
+        if levels and self.log.level < min(levels):
+            self.log.setLevel(min(levels))
 
     def init_iopub(self, context: zmq.Context) -> None:
         # ipykernel's own init_iopub (7.x), with the mark set before the socket binds

@@ -1,58 +1,182 @@
-"""The parent's connection to one rank: its Jupyter channels, read by one pump each.
+"""The parent's connection to one rank: its Jupyter channels, on raw ZMQ sockets.
 
 Replies (shell and control) resolve the future of the request they answer. IOPub messages
 go to the listener registered for the request that caused them (a cell's run, a frontend's
 comm message); what no listener claims goes to one fallback (late output of a finished
 cell, comm messages). Typed requests of :mod:`dist_kernel.protocol` travel on the control
 channel, which the rank answers from its own thread while its shell is busy.
+
+The sockets are read from the event loop (``add_reader`` on each socket's ZMQ file
+descriptor) and messages are decoded only as far as routing needs (issue 14): every
+message's HMAC signature is checked, headers are plain JSON (no date parsing), and a
+``status`` other than ``idle``, an ``execute_input``, or an ``idle`` nobody listens for is
+dropped before its metadata is read. jupyter_client's channels would parse every header's
+dates, wake one ZMQ context thread per rank and pass each message through two futures.
+The client object the launcher gives us (an ``AsyncKernelClient``) is used for its
+connection info, its session (key, identity) and its liveness check only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import inspect
+import itertools
+import json
 import logging
+import os
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
+
+import zmq
+from jupyter_client.session import DELIM, Session
 
 from dist_kernel import protocol
 from dist_kernel.exceptions import RankDiedError, RankRequestError
 
 IOPubHandler = Callable[[dict], None]
 
+#: messages handled per wakeup of one socket before the loop gets a turn (a flood must not
+#: starve the cell's ticks, interrupts or the other ranks)
+_BATCH = 200
+#: signatures remembered to refuse a replayed message (jupyter_client keeps as many)
+_DIGESTS = 2**16
+#: jupyter message protocol version of the requests sent to the ranks
+_PROTOCOL_VERSION = "5.3"
+
+_CONTEXT: zmq.Context | None = None
+
+
+def _context() -> zmq.Context:
+    """One ZMQ context (one IO thread) for every rank's sockets."""
+    global _CONTEXT
+    if _CONTEXT is None or _CONTEXT.closed:
+        _CONTEXT = zmq.Context()
+    return _CONTEXT
+
+
+#: a stream chunk at least this large is decoded once when several ranks send the same bytes
+_SHARED_ABOVE = 65_536
+_last_stream: list = [b"", None]  # the last large stream content: its bytes, decoded
+
+
+def _content(msg_type: str, raw: bytes) -> dict:
+    """The content of an IOPub message. Identical output of N ranks (a large print on every
+    rank) is decoded once: the content is read-only downstream (merging copies what it changes)."""
+    if msg_type != "stream" or len(raw) < _SHARED_ABOVE:
+        return json.loads(raw)
+    if raw == _last_stream[0]:
+        return _last_stream[1]
+    content = json.loads(raw)
+    _last_stream[:] = [raw, content]
+    return content
+
+
+class BadMessage(ValueError):
+    """A message that is unsigned, wrongly signed, replayed or malformed: dropped."""
+
 
 class RankChannel:
-    """Talks to one rank kernel through a jupyter_client AsyncKernelClient."""
+    """Talks to one rank kernel over its shell, control, IOPub and stdin sockets.
+
+    ``client``: a jupyter_client ``KernelClient`` for the rank (its connection info and
+    session are used, and its ``is_alive`` while waiting for the rank), or a connection dict.
+    """
 
     def __init__(self, rank: int, client: Any, log: logging.Logger,
                  on_unrouted: Callable[[int, dict], None], on_stdin: Callable[[int, dict], None]) -> None:
         self.rank = rank
-        self.kc = client
         self.log = log
         self._on_unrouted = on_unrouted
         self._on_stdin = on_stdin
+        if isinstance(client, dict):
+            self.kc = None
+            self.info = dict(client)
+            key = self.info.get("key", b"")
+            self.session = Session(key=key.encode() if isinstance(key, str) else key,
+                                   signature_scheme=self.info.get("signature_scheme", "hmac-sha256"))
+        else:
+            self.kc = client
+            self.info = client.get_connection_info(session=False)
+            self.session = client.session
+        self._auth = self.session.auth  # None: no key, messages are not signed (as jupyter_client)
+        self._digests: set[bytes] = set()
+        self._ids = itertools.count()
+        self._id_prefix = f"{self.session.session}_{os.getpid()}"
         self._listeners: dict[str, IOPubHandler] = {}
         self._pending: dict[str, asyncio.Future] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._sockets: dict[str, zmq.Socket] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._heard_iopub: asyncio.Event | None = None
         self.closing = False
         self.dead: Exception | None = None
 
+    # ------------------------------------------------------------- connecting
+    def _url(self, channel: str) -> str:
+        transport, ip, port = self.info.get("transport", "tcp"), self.info["ip"], self.info[f"{channel}_port"]
+        return f"tcp://{ip}:{port}" if transport == "tcp" else f"{transport}://{ip}-{port}"
+
     def start(self) -> None:
-        """Connect. No high-water mark on any socket: ZMQ's default of 1000
-        queued messages drops a burst of outputs, and with it a cell's final ``idle``."""
-        self.kc.context.rcvhwm = 0
-        self.kc.context.sndhwm = 0
-        self.kc.start_channels()
+        """Connect. No high-water mark on any socket: ZMQ's default of 1000 queued messages
+        drops a burst of outputs, and with it a cell's final ``idle``."""
+        ctx = _context()
+        identity = self.session.bsession
+        curve = getattr(self.kc, "curve_publickey", None) if self.kc is not None else None
+        for channel, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("stdin", zmq.DEALER),
+                              ("iopub", zmq.SUB)):
+            sock = ctx.socket(kind)
+            sock.linger = 1000
+            sock.rcvhwm = 0
+            sock.sndhwm = 0
+            if kind == zmq.DEALER:
+                # the rank answers input() on the stdin socket of the shell request's sender
+                sock.identity = identity
+            else:
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+            if curve is not None:
+                sock.curve_secretkey = self.kc.curve_secretkey
+                sock.curve_publickey = curve
+                sock.curve_serverkey = curve
+            sock.connect(self._url(channel))
+            self._sockets[channel] = sock
 
     async def wait_for_ready(self, timeout: float) -> None:
-        """Wait for the rank kernel to answer, then start reading (jupyter_client's wait reads
-        the shell channel itself, so the pumps start only after it)."""
-        await self.kc.wait_for_ready(timeout=timeout)
-        self._tasks = [
-            asyncio.ensure_future(self._pump("IOPub", self.kc.get_iopub_msg, self._route_iopub)),
-            asyncio.ensure_future(self._pump("shell", self.kc.get_shell_msg, self._resolve)),
-            asyncio.ensure_future(self._pump("control", self.kc.get_control_msg, self._resolve)),
-            asyncio.ensure_future(self._pump("stdin", self.kc.get_stdin_msg, self._route_stdin)),
-        ]
+        """Read from now on, and wait until the rank answers ``kernel_info`` on its shell and
+        its IOPub is heard (a SUB socket misses what is published before it has joined).
+        RuntimeError if the rank dies first or does not answer in ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._heard_iopub = asyncio.Event()
+        handlers = {"iopub": self._on_iopub, "shell": self._resolve, "control": self._resolve,
+                    "stdin": self._route_stdin}
+        for channel, handle in handlers.items():
+            sock = self._sockets[channel]
+            loop.add_reader(sock.getsockopt(zmq.FD), self._drain, channel, sock, handle)
+            loop.call_soon(self._drain, channel, sock, handle)
+        deadline = loop.time() + timeout
+        while True:
+            self._heard_iopub.clear()
+            msg_id, fut = self.send("kernel_info_request", {})
+            try:
+                msg = await asyncio.wait_for(fut, 1.0)
+                if msg.get("msg_type") == "kernel_info_reply":
+                    await asyncio.wait_for(self._heard_iopub.wait(), 0.2)
+                    return
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._pending.pop(msg_id, None)
+            if not await self._is_alive():
+                raise RuntimeError("Kernel died before replying to kernel_info")
+            if loop.time() > deadline:
+                raise RuntimeError(f"Kernel didn't respond in {timeout:g} seconds")
+
+    async def _is_alive(self) -> bool:
+        if self.kc is None:
+            return True
+        alive = self.kc.is_alive()
+        return bool(await alive) if inspect.isawaitable(alive) else bool(alive)
 
     # ------------------------------------------------------------- sending
     def listen(self, msg_id: str, handler: IOPubHandler) -> None:
@@ -69,15 +193,29 @@ class RankChannel:
             raise self.dead
         if self.closing:
             raise RankDiedError(f"rank {self.rank}: the kernel is shutting down")
-        msg = self.kc.session.msg(msg_type, content, metadata=metadata or {})
-        if buffers:
-            msg["buffers"] = list(buffers)
+        msg_id = f"{self._id_prefix}_{next(self._ids)}"
         fut = None
         if expect_reply:
             fut = asyncio.get_running_loop().create_future()
-            self._pending[msg["header"]["msg_id"]] = fut
-        (self.kc.control_channel if channel == "control" else self.kc.shell_channel).send(msg)
-        return msg["header"]["msg_id"], fut
+            self._pending[msg_id] = fut
+        self._send(channel, msg_id, msg_type, content, metadata, buffers)
+        return msg_id, fut
+
+    def _send(self, channel: str, msg_id: str, msg_type: str, content: dict, metadata: dict | None = None,
+              buffers: list | None = None) -> None:
+        session = self.session
+        header = {"msg_id": msg_id, "msg_type": msg_type, "username": session.username,
+                  "session": session.session, "version": _PROTOCOL_VERSION,
+                  "date": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
+        parts = [session.pack(header), b"{}", session.pack(metadata or {}), session.pack(content)]
+        sock = self._sockets[channel]
+        sock.send_multipart([DELIM, session.sign(parts), *parts, *(buffers or ())])
+        if self._loop is not None:
+            # a send can swallow the edge of ZMQ's file descriptor: look for replies now too
+            self._loop.call_soon(self._drain, channel, sock, self._handler(channel))
+
+    def _handler(self, channel: str) -> Callable[[dict], None]:
+        return self._route_stdin if channel == "stdin" else self._resolve
 
     async def shell_request(self, msg_type: str, content: dict, timeout: float = 10.0) -> dict:
         """Round trip of one shell request (completion, inspection, ...); the reply content."""
@@ -105,47 +243,109 @@ class RankChannel:
         return reply
 
     def input(self, value: str) -> None:
-        if self.dead is None:
-            self.kc.input(value)
+        """Answer the rank's ``input()`` (an ``input_reply`` on its stdin channel)."""
+        if self.dead is None and not self.closing:
+            self._send("stdin", f"{self._id_prefix}_{next(self._ids)}", "input_reply", {"value": value})
 
     # ------------------------------------------------------------- reading
-    def _route_iopub(self, msg: dict) -> None:
-        handler = self._listeners.get(msg.get("parent_header", {}).get("msg_id"))
+    def _drain(self, channel: str, sock: zmq.Socket, handle: Callable[[dict], None]) -> None:
+        """Handle what the socket holds, at most ``_BATCH`` messages per turn of the loop.
+
+        A message with a bad HMAC signature (or malformed) is dropped, and one bad message
+        never stops the reading."""
+        if self.closing or sock.closed:
+            return
+        try:
+            for _ in range(_BATCH):
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                try:
+                    handle_frames = self._decode_iopub if channel == "iopub" else self._decode
+                    msg = handle_frames(frames)
+                except (BadMessage, ValueError, KeyError, TypeError, IndexError) as e:
+                    self.log.warning("rank %d: dropped a %s message: %s", self.rank, channel, e)
+                    continue
+                if msg is None:
+                    continue
+                try:
+                    handle(msg)
+                except Exception:  # noqa: BLE001
+                    self.log.exception("rank %d: error handling %s %s", self.rank, channel, msg.get("msg_type"))
+        except zmq.ZMQError as e:
+            if not (self.closing or sock.closed or e.errno == zmq.EAGAIN):
+                self.log.warning("rank %d: %s reader: %s", self.rank, channel, e)
+            return
+        # more may be waiting: ZMQ's descriptor signals edges, so come back after a turn
+        if self._loop is not None:
+            self._loop.call_soon(self._drain, channel, sock, handle)
+
+    def _verify(self, frames: list[bytes]) -> int:
+        """Check the signature of a message; the index of its header frame."""
+        try:
+            i = frames.index(DELIM)
+        except ValueError:
+            raise BadMessage("no delimiter") from None
+        if len(frames) < i + 6:
+            raise BadMessage("malformed message, too few parts")
+        if self._auth is not None:
+            signature = frames[i + 1]
+            if not signature:
+                raise BadMessage("Unsigned Message")
+            mac = self._auth.copy()
+            for part in frames[i + 2:i + 6]:
+                mac.update(part)
+            if not hmac.compare_digest(signature, mac.hexdigest().encode()):
+                raise BadMessage(f"Invalid Signature: {signature!r}")
+            if signature in self._digests:
+                raise BadMessage(f"Duplicate Signature: {signature!r}")
+            self._digests.add(signature)
+            if len(self._digests) > _DIGESTS:
+                for _ in range(_DIGESTS // 10):
+                    self._digests.pop()
+        return i + 2
+
+    def _decode(self, frames: list[bytes]) -> dict:
+        i = self._verify(frames)
+        header = json.loads(frames[i])
+        return {"header": header, "msg_id": header["msg_id"], "msg_type": header["msg_type"],
+                "parent_header": json.loads(frames[i + 1]), "metadata": json.loads(frames[i + 2]),
+                "content": json.loads(frames[i + 3]), "buffers": frames[i + 4:]}
+
+    def _decode_iopub(self, frames: list[bytes]) -> dict | None:
+        """An IOPub message, or None for one the parent does not need (busy, execute_input,
+        an idle no one waits for)."""
+        i = self._verify(frames)
+        if self._heard_iopub is not None:
+            self._heard_iopub.set()
+        header = json.loads(frames[i])
+        msg_type = header["msg_type"]
+        if msg_type == "execute_input":
+            return None
+        parent = json.loads(frames[i + 1])
+        content = _content(msg_type, frames[i + 3])
+        if msg_type == "status" and (content.get("execution_state") != "idle"
+                                     or parent.get("msg_id") not in self._listeners):
+            return None
+        return {"header": header, "msg_id": header["msg_id"], "msg_type": msg_type, "parent_header": parent,
+                "metadata": json.loads(frames[i + 2]), "content": content, "buffers": frames[i + 4:]}
+
+    def _on_iopub(self, msg: dict) -> None:
+        parent_id = msg["parent_header"].get("msg_id")
+        handler = self._listeners.get(parent_id) if parent_id is not None else None
         if handler is not None:
             handler(msg)
         else:
             self._on_unrouted(self.rank, msg)
 
     def _resolve(self, msg: dict) -> None:
-        fut = self._pending.pop(msg.get("parent_header", {}).get("msg_id"), None)
+        fut = self._pending.pop(msg["parent_header"].get("msg_id"), None)
         if fut is not None and not fut.done():
             fut.set_result(msg)
 
     def _route_stdin(self, msg: dict) -> None:
         if msg["msg_type"] == "input_request":
             self._on_stdin(self.rank, msg)
-
-    async def _pump(self, channel: str, receive: Callable, handle: Callable[[dict], None]) -> None:
-        """Read one channel until closed; a message with a bad HMAC signature (or malformed) is
-        dropped, and one bad message never stops the pump."""
-        while True:
-            try:
-                msg = await receive()
-            except asyncio.CancelledError:
-                raise
-            except ValueError as e:
-                self.log.warning("rank %d: dropped a %s message: %s", self.rank, channel, e)
-                continue
-            except Exception:  # noqa: BLE001 - the socket closes at shutdown
-                if self.closing:
-                    return
-                self.log.exception("rank %d: %s reader failed", self.rank, channel)
-                await asyncio.sleep(0.05)
-                continue
-            try:
-                handle(msg)
-            except Exception:  # noqa: BLE001
-                self.log.exception("rank %d: error handling %s %s", self.rank, channel, msg.get("msg_type"))
 
     # ------------------------------------------------------------- ending
     def fail_pending(self, reason: str) -> None:
@@ -158,12 +358,15 @@ class RankChannel:
 
     def close(self) -> None:
         self.closing = True
-        for task in self._tasks:
-            task.cancel()
-        try:
-            self.kc.stop_channels()
-        except Exception:  # noqa: BLE001 - already closed
-            pass
-        if getattr(self.kc, "_created_context", False):
-            self.kc.context.destroy(linger=0)
-
+        for sock in self._sockets.values():
+            if sock.closed:
+                continue
+            if self._loop is not None and not self._loop.is_closed():
+                try:
+                    self._loop.remove_reader(sock.getsockopt(zmq.FD))
+                except Exception:  # noqa: BLE001 - already removed, or the loop is gone
+                    pass
+            try:
+                sock.close(linger=0)
+            except Exception:  # noqa: BLE001 - already closed
+                pass

@@ -1,8 +1,11 @@
 """One cell's run across its ranks: forward, relay outputs live, decide when it is over.
 
-A rank is finished with a cell when both its ``execute_reply`` (shell) and its ``idle``
-status for the request (IOPub) have arrived: the reply can overtake the last outputs, and
-frontends stop reading a cell at the parent's ``idle``.
+A rank is finished with a cell when its ``execute_reply`` (shell) has arrived and all of its
+output has: the reply can overtake the last outputs, and frontends stop reading a cell at the
+parent's ``idle``. All of its output is there once the rank's ``idle`` status for the request
+(IOPub) has come, or once as many IOPub messages have come as the reply's metadata says the
+cell published before it (``dist_kernel.iopub``): the idle follows the reply through the
+rank's IOPub thread, a quarter of a millisecond later, so the count ends a cell sooner.
 """
 
 from __future__ import annotations
@@ -75,17 +78,26 @@ class CellRun:
         self._replied_at: dict[int, float] = {}
         self._heard: dict[int, float] = {}  # rank -> when it last sent anything for this cell
         self.replies: dict[int, dict] = {}
+        self._expected: dict[int, int] = {}  # rank -> IOPub messages its reply says it published
+        self._got: dict[int, int] = {}  # rank -> IOPub messages received for this cell
         self.idle: set[int] = set()
         self.finished: set[int] = set()
         self.closed = False
         self._last_flush = 0.0
-        self._done = asyncio.Event()
+        self._done: asyncio.Future | None = None  # resolved when every rank is finished
+        self._all_finished = False
 
     # ------------------------------------------------ called by the kernel
     def on_iopub(self, rank: int, msg: dict) -> None:
+        self._heard[rank] = self.clock()
+        self._got[rank] = self._got.get(rank, 0) + 1
+        self._on_iopub(rank, msg)
+        if rank in self._expected:
+            self._check(rank)
+
+    def _on_iopub(self, rank: int, msg: dict) -> None:
         msg_type = msg["header"]["msg_type"]
         content = msg["content"]
-        self._heard[rank] = self.clock()
         if msg_type in COMM_TYPES:
             if _capture_change(msg_type, content) and not self.closed:
                 # an Output widget starts or stops capturing: what the rank printed before
@@ -111,7 +123,10 @@ class CellRun:
             if self.merger.ready and self.clock() - self._last_flush >= MIN_FLUSH:
                 self.flush()  # publish at once, but not more often than MIN_FLUSH
 
-    def on_reply(self, rank: int, content: dict) -> None:
+    def on_reply(self, rank: int, content: dict, metadata: dict | None = None) -> None:
+        published = ((metadata or {}).get("dist_kernel") or {}).get("iopub")
+        if isinstance(published, int) and not isinstance(published, bool):
+            self._expected[rank] = published
         self.replies[rank] = content
         self._replied_at[rank] = self.clock()
         self.merger.rank_replied(rank, content, self.clock())
@@ -128,12 +143,16 @@ class CellRun:
         self._check(rank)
 
     def _check(self, rank: int) -> None:
-        if rank in self.replies and rank in self.idle and rank not in self.finished:
+        if rank in self.finished or rank not in self.replies:
+            return
+        if rank in self.idle or self._got.get(rank, 0) >= self._expected.get(rank, 1 << 62):
             self.finished.add(rank)
             self.finished_at[rank] = self.clock()
             self.merger.rank_done(rank, self.clock())
             if len(self.finished) == len(self.ranks):
-                self._done.set()
+                self._all_finished = True
+                if self._done is not None and not self._done.done():
+                    self._done.set_result(None)
 
     # ------------------------------------------------------------- driving
     def flush(self, force: bool = False) -> None:
@@ -151,15 +170,20 @@ class CellRun:
                 self.publish(msg_type, content)
 
     async def wait(self) -> dict | None:
-        """Relay output until every rank is finished; returns the merged error or None."""
-        while not self._done.is_set():
-            try:
-                await asyncio.wait_for(self._done.wait(), TICK)
-            except asyncio.TimeoutError:
-                pass
-            self.flush()
-            self._idle_lost()
-            self._maybe_look()
+        """Relay output until every rank is finished; returns the merged error or None.
+
+        The cell ends the moment its last rank is finished (one future, resolved from the
+        reader that saw it); held output is looked at every TICK meanwhile, from a timer."""
+        loop = asyncio.get_running_loop()
+        self._done = loop.create_future()
+        if self._all_finished:
+            self._done.set_result(None)
+        timer = loop.call_later(TICK, self._tick, loop)
+        try:
+            await self._done
+        finally:
+            self._timer_cancel()
+            timer.cancel()
         if self._looking is not None and not self._looking.done():
             # a late look must not tear down the group that is about to be re-formed
             self._looking.cancel()
@@ -170,6 +194,29 @@ class CellRun:
         self.throttle.close()
         self.closed = True
         return merge_errors(self.merger.errors, self.ranks)
+
+    _timer: asyncio.TimerHandle | None = None
+
+    def _timer_cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Every TICK while the cell runs: publish what is due, and look at the busy ranks."""
+        done = self._done
+        if done is None or done.done():
+            return
+        try:
+            self.flush()
+            self._idle_lost()
+            self._maybe_look()
+        except Exception as e:  # noqa: BLE001 - raised in wait(), as when it ran there
+            if not done.done():
+                done.set_exception(e)
+            return
+        if not done.done():
+            self._timer = loop.call_later(TICK, self._tick, loop)
 
     def mark_stuck(self, rank: int, ename: str, evalue: str, lines: list[str]) -> None:
         """Record why a rank is being unblocked; this becomes its error for the cell."""

@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from datetime import datetime
@@ -78,6 +79,10 @@ class DistributedKernel(Kernel):
         self._left_running: set[int] = set()  # ranks whose cell was given up on (abandoned)
         self._exiting = False
         self._reform_pending = False  # a re-formation waits for a rank that was left running
+        # a cell's busy and execute_input, held back until its requests are on their way to the
+        # ranks (see _publish_status): the ranks start sooner, and nothing is published before them
+        self._held: list[tuple] = []
+        self._held_lock = threading.RLock()
         # every request gets a reply, even when its handler raises (a plain handler would not)
         self.shell_handlers = {t: self._always_reply(t, h) for t, h in self.shell_handlers.items()}
         self.control_handlers = {t: self._always_reply(t, h) for t, h in self.control_handlers.items()}
@@ -113,8 +118,13 @@ class DistributedKernel(Kernel):
             self.io_loop.add_callback(self.supervisor.start)
 
     def _always_reply(self, msg_type: str, handler: Any) -> Any:
-        """Wrap a handler so that a request it fails on still gets an error reply."""
+        """Wrap a handler so that a request it fails on still gets an error reply.
+
+        The handler gets the stream's socket itself: a reply sent through tornado's ZMQStream
+        is queued and sent on a later turn of the loop (or by the flush after the request),
+        at a cost in CPU per request (issue 14). The handler runs on the stream's own thread."""
         async def handle(stream: Any, ident: Any, parent: dict) -> None:
+            stream = getattr(stream, "socket", stream)
             try:
                 result = handler(stream, ident, parent)
                 if asyncio.iscoroutine(result):
@@ -165,6 +175,8 @@ class DistributedKernel(Kernel):
                  buffers: list | None = None) -> None:
         # explicit parent: relayed output is published from tasks outside the handler context;
         # re-signed with the parent's session (frontends ignore a foreign header.session)
+        if self._held:
+            self._release_held()
         self.session.send(self.iopub_socket, msg_type, content, parent=parent, ident=self._topic(msg_type),
                           metadata=metadata, buffers=buffers)
 
@@ -177,6 +189,8 @@ class DistributedKernel(Kernel):
                          user_expressions: dict | None = None, allow_stdin: bool = False,
                          *, cell_meta: dict | None = None, cell_id: str | None = None) -> dict:
         parent = self.get_parent("shell")
+        if self.supervisor is None or not self.supervisor.ready.is_set():
+            self._release_held()  # the cell waits for the ranks: it is busy meanwhile
         err = await self._ready_error()
         if err:
             return self._fail(parent, err, silent)
@@ -187,6 +201,7 @@ class DistributedKernel(Kernel):
         except RankSpecError as e:
             return self._fail(parent, error_content("RankSpecError", str(e)), silent)
         if plan.magics:
+            self._release_held()
             err = await self._run_parent_magics(parent, plan.magics)
             if err:
                 return self._fail(parent, err, silent)
@@ -195,6 +210,7 @@ class DistributedKernel(Kernel):
                         "payload": []}
 
         if self._reform_pending and not self._left_running:
+            self._release_held()
             self._reform_pending = False
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(sup.form_group(), sup.config.startup_timeout)
@@ -229,6 +245,7 @@ class DistributedKernel(Kernel):
             fut.add_done_callback(lambda f, rank=rank: self._on_reply(run, rank, f))
             if sup.ranks[rank].stopped:
                 self._notice_stopped(run, rank)
+        self._release_held()
         try:
             error = await run.wait()
         finally:
@@ -347,7 +364,7 @@ class DistributedKernel(Kernel):
         else:
             msg = fut.result()
             run.reply_metadata[rank] = msg.get("metadata") or {}
-            run.on_reply(rank, msg["content"])
+            run.on_reply(rank, msg["content"], run.reply_metadata[rank])
             self._left_running.discard(rank)
 
     def _on_rank_death(self, rank: int, reason: str) -> None:
@@ -507,7 +524,34 @@ class DistributedKernel(Kernel):
         return None
 
     # ---------------------------------------------------------- control
+    def _publish_execute_input(self, code: str, parent: dict, execution_count: int) -> None:
+        with self._held_lock:
+            if self._held:  # the cell's busy is held: its input follows it
+                self._held.append(("input", code, parent, execution_count))
+                return
+        super()._publish_execute_input(code, parent, execution_count)
+
+    def _release_held(self) -> None:
+        """Publish the held busy and execute_input of the cell (before anything else of it)."""
+        with self._held_lock:
+            held, self._held = self._held, []
+            for item in held:
+                if item[0] == "busy":
+                    super()._publish_status("busy", "shell", item[1])
+                else:
+                    super()._publish_execute_input(*item[1:])
+
     def _publish_status(self, status: str, channel: str, parent: dict | None = None) -> None:
+        if channel == "shell" and parent is None and threading.current_thread() is threading.main_thread():
+            if status == "busy" and self.get_parent("shell").get("header", {}).get("msg_type") == "execute_request":
+                # held until the cell's requests are sent to the ranks (do_execute), or until
+                # anything else is published for it (_publish), whichever comes first
+                with self._held_lock:
+                    self._release_held()
+                    self._held.append(("busy", self.get_parent("shell")))
+                return
+            if self._held:
+                self._release_held()
         # jupyter_client's KernelManager and its client share a session id but count messages
         # separately, so an interrupt_request can carry the very msg_id of the running cell:
         # its busy/idle would read, to nbclient, as the cell's idle. Such a pair is not sent.

@@ -202,10 +202,17 @@ class CellMerger:
         self._held: dict[int, list[_Item]] = {r: [] for r in self.ranks}  # error items held, in order
         self._reply_error: dict[int, Hashable | None] = {}  # rank -> its reply's error key (None: ok)
         self._joinable: dict[str, set[int]] = {}  # display id -> ranks in its newest output of this cell
+        # rank -> a whole stream chunk (name, text, arrival) not split into lines yet: when every
+        # rank sends the same chunk, it is published once as it is (see _add_chunk)
+        self._chunks: dict[int, tuple[str, str, float]] = {}
 
     # ----------------------------------------------------------------- input
     def add(self, rank: int, msg_type: str, content: dict, now: float) -> None:
         """Feed one IOPub output of ``rank``."""
+        if msg_type == "stream" and self._add_chunk(rank, content.get("name", "stdout"), content.get("text", ""), now):
+            return
+        if self._chunks:
+            self._split_chunks(now)
         if msg_type == "stream":
             self._add_stream(rank, content.get("name", "stdout"), content.get("text", ""), now)
         elif msg_type == "error":
@@ -225,6 +232,7 @@ class CellMerger:
         place among ``rank``'s outputs (an ipywidgets ``Output`` starting or stopping a
         capture: what the rank printed before must land before it). Errors the rank showed
         before it were survived: they are ordinary output."""
+        self._split_chunks(now)
         self._flush_partials(rank, now, force=True)
         for item in self._held[rank]:
             item.held = False
@@ -243,6 +251,8 @@ class CellMerger:
 
     def rank_done(self, rank: int, now: float) -> None:
         """``rank`` will send nothing more for this cell."""
+        if rank not in self._chunks:  # its chunk, if any, still waits for its twins
+            self._split_chunks(now)
         self._flush_partials(rank, now, force=True)
         self._resolve_errors(rank, final=True)
         self._done.add(rank)
@@ -250,6 +260,8 @@ class CellMerger:
 
     def poll(self, now: float) -> None:
         """Let waiting items and unfinished lines time out."""
+        if self._chunks and any(now - t >= self._wait_size(len(text)) for _, text, t in self._chunks.values()):
+            self._split_chunks(now)
         for (rank, _name), part in list(self._partials.items()):
             if part.text and now - part.t >= self.window:
                 self._flush_partials(rank, now, force=True)
@@ -263,6 +275,7 @@ class CellMerger:
 
     def finish(self, now: float) -> None:
         """The cell is over: publish everything still held."""
+        self._split_chunks(now)
         for rank in self.ranks:
             self._flush_partials(rank, now, force=True)
             self._resolve_errors(rank, final=True)
@@ -296,7 +309,7 @@ class CellMerger:
     @property
     def pending(self) -> int:
         return sum(len(q) for q in self._queues.values()) + sum(
-            1 for p in self._partials.values() if p.text)
+            1 for p in self._partials.values() if p.text) + len(self._chunks)
 
     def take(self) -> list[Emit]:
         """Messages to publish now, consecutive stream text of one name coalesced."""
@@ -317,6 +330,37 @@ class CellMerger:
         return out
 
     # ------------------------------------------------------------ internals
+    def _add_chunk(self, rank: int, name: str, text: str, now: float) -> bool:
+        """Fast path for identical output (issue 14): a stream chunk of whole lines that arrives
+        when nothing of any rank is queued before it waits whole for the same chunk from the
+        other ranks; when every rank has sent it, it is published once, never split into
+        lines. False: the chunk takes the line-by-line path (anything waiting is split first)."""
+        if (not text.endswith("\n") or rank in self._chunks or self._area_ranks or rank in self._done
+                or any(self._queues[r] or self._partials_of(r) or (r in self._done and r not in self._chunks)
+                       for r in self.ranks)):
+            return False
+        if self._chunks and next(iter(self._chunks.values()))[:2] != (name, text):
+            return False
+        self._chunks[rank] = (name, text, now)
+        if len(self._chunks) == len(self.ranks):
+            self._chunks.clear()
+            self._emit(_Item("stream", None, {"name": name, "text": text}, now), None)
+        return True
+
+    def _partials_of(self, rank: int) -> bool:
+        return any(p.text for (r, _), p in self._partials.items() if r == rank)
+
+    def _split_chunks(self, now: float) -> None:
+        """The waiting chunks take the line-by-line path after all, each at its arrival time."""
+        chunks, self._chunks = self._chunks, {}
+        for rank, (name, text, t) in chunks.items():
+            self._add_stream(rank, name, text, t)
+        if chunks:
+            self._drain(now)
+
+    def _wait_size(self, size: int) -> float:
+        return self.window + max(size - _SMALL, 0) / SIZE_RATE
+
     def _add_stream(self, rank: int, name: str, text: str, now: float) -> None:
         # the other stream's unfinished line came first: it must not wait behind this text
         self._flush_partials(rank, now, force=True, names=("stderr" if name == "stdout" else "stdout",))

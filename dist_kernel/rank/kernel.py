@@ -8,6 +8,10 @@ completion, display and comms as the plain Python kernel. What it adds:
   collective; nothing the kernel needs lives in the user's namespace;
 - cell file names shared by every rank (``/tmp/ipykernel_<parent pid>/<hash>.py``), so a
   warning or traceback that every rank prints the same way merges into one;
+- no subshells (no shell channel thread: one thread hop less per request), and no
+  ``busy``/``execute_input`` on IOPub;
+- the count of IOPub messages a cell published, in its reply's metadata, so the parent
+  need not wait for the cell's ``idle``;
 - no IOPub high-water mark (:mod:`dist_kernel.iopub`): a burst of outputs is queued, never
   dropped;
 - Linux ends the rank with the parent (PR_SET_PDEATHSIG), even when it is stuck in C code.
@@ -24,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ipykernel.compiler import XCachingCompiler, get_tmp_hash_seed, murmur2_x86
+from ipykernel.iostream import BackgroundSocket, IOPubThread, OutStream
 from ipykernel.ipkernel import IPythonKernel
 
 from dist_kernel import protocol
@@ -35,7 +40,9 @@ PARENT_PID_ENV = "JPY_PARENT_PID"
 
 def cell_dir() -> str:
     """Where cells are compiled to: named after the parent kernel, so every rank agrees."""
-    return os.path.join(tempfile.gettempdir(), f"ipykernel_{os.environ.get(PARENT_PID_ENV, os.getppid())}")
+    # the parent kernel's pid, the same on every machine (a node agent is the ranks' own parent there)
+    owner = os.environ.get("DIST_KERNEL_PARENT_PID") or os.environ.get(PARENT_PID_ENV) or os.getppid()
+    return os.path.join(tempfile.gettempdir(), f"ipykernel_{owner}")
 
 
 class SharedNameCompiler(XCachingCompiler):
@@ -50,6 +57,7 @@ class RankKernel(IPythonKernel):
     """One rank; see the module docstring."""
 
     implementation = "dist_kernel.rank"
+    _execute_sleep = 0.0  # the base class sleeps 0.5 ms before each reply; the parent counts messages instead
     compiler_class = SharedNameCompiler
     control_msg_types = [*IPythonKernel.control_msg_types, protocol.REQUEST]
 
@@ -58,6 +66,35 @@ class RankKernel(IPythonKernel):
         self._main_loop: asyncio.AbstractEventLoop | None = None
         self.shell.events.register("pre_run_cell", agent.before_cell)
         self.shell.events.register("post_run_cell", agent.after_cell)
+        # IOPub messages published for the running cell, counted up to its reply (see finish_metadata)
+        self._counting: str | None = None
+        self._published = 0
+        self._told: str | None = None  # the cell whose reply carries its count: no idle for it
+        self._count_lock = threading.Lock()
+        self.session.send = self._counted(self.session.send)
+
+    def _counted(self, send: Callable[..., Any]) -> Callable[..., Any]:
+        """``session.send`` that counts the IOPub messages of the running cell (every thread's:
+        its streams are sent from the IOPub thread, its displays from the main thread)."""
+        def counted_send(stream: Any, msg_or_type: Any, content: Any = None, parent: Any = None,
+                         *args: Any, **kwargs: Any) -> Any:
+            counting = self._counting
+            if counting is not None and isinstance(stream, (BackgroundSocket, IOPubThread)):
+                if isinstance(msg_or_type, dict):
+                    parent = msg_or_type.get("parent_header")
+                if _msg_id(parent) == counting:
+                    with self._count_lock:
+                        if self._counting == counting:
+                            self._published += 1
+            return send(stream, msg_or_type, content, parent, *args, **kwargs)
+
+        return counted_send
+
+    def init_metadata(self, parent: dict) -> dict:
+        with self._count_lock:
+            self._counting = _msg_id(parent)
+            self._published = 0
+        return super().init_metadata(parent)
 
     def start(self) -> None:
         super().start()
@@ -69,8 +106,19 @@ class RankKernel(IPythonKernel):
         metadata = super().finish_metadata(parent, metadata, reply_content)
         result = getattr(self.shell, "last_execution_result", None)
         error = getattr(result, "error_in_exec", None) if result is not None else None
+        info: dict = {}
         if reply_content.get("status") == "error" and agent.group_broke(error):
-            metadata["dist_kernel"] = {"group_broken": True}
+            info["group_broken"] = True
+        # how many IOPub messages this cell published before its reply (streams are flushed by
+        # now): the parent has all of its output once it holds the reply and that many
+        # messages, without waiting for the idle that the IOPub thread sends after the reply
+        with self._count_lock:
+            if self._counting == _msg_id(parent):
+                info["iopub"] = self._published
+                self._told = self._counting
+            self._counting = None
+        if info:
+            metadata["dist_kernel"] = info
         return metadata
 
     # ------------------------------------------------------------ dist_request
@@ -130,18 +178,32 @@ class RankKernel(IPythonKernel):
         return done
 
     # Only the parent reads a rank's IOPub, and it needs neither the echo of the code it sent
-    # nor "busy": not sending them halves the messages a cell costs (issue 14). "idle" stays:
-    # it tells the parent a request's output is complete.
+    # nor "busy": not sending them halves the messages a cell costs (issue 14). "idle" stays
+    # for every request but a counted cell: it tells the parent a request's output is complete.
     def _publish_execute_input(self, code: str, parent: dict, execution_count: int) -> None:
         return
 
     def _publish_status(self, status: str, channel: str, parent: dict | None = None) -> None:
         if status == "busy":
             return
+        # nor the idle of a cell whose reply told the parent how many messages to wait for
+        # (see finish_metadata): with nothing else to publish, the IOPub thread never wakes
+        if channel == "shell" and parent is None and self._told is not None:
+            told, self._told = self._told, None
+            if told == _msg_id(self.get_parent("shell")):
+                return
         # nor an idle for the parent's own typed requests, which are answered by their reply
         if channel == "control" and self.get_parent("control").get("header", {}).get("msg_type") == protocol.REQUEST:
             return
         super()._publish_status(status, channel, parent)
+
+
+def _msg_id(parent: Any) -> str | None:
+    """The msg_id of a parent given as a message or as its header."""
+    if not isinstance(parent, dict):
+        return None
+    header = parent.get("header", parent)
+    return header.get("msg_id") if isinstance(header, dict) else None
 
 
 def _settle(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
@@ -185,11 +247,47 @@ _QUICK: dict[type, Callable[[Any], Any]] = {
 }
 
 
+class RankOutStream(OutStream):
+    """ipykernel's stdout/stderr, whose ``flush()`` returns at once when everything written
+    has been sent. ipykernel flushes both streams twice per request, and each flush from the
+    main thread waits for a round trip through the IOPub thread, even with nothing to send.
+
+    ``_writes`` counts writes once their text is in the buffer; a ``_flush`` (on the IOPub
+    thread) notes how many writes it had seen before it took the buffers, once it has sent
+    them. Equal counts: every write so far is sent (and counted for the cell's reply)."""
+
+    _writes = 0
+    _flushed = 0
+
+    def write(self, string: str) -> int | None:  # type: ignore[override]
+        n = super().write(string)
+        self._writes += 1
+        return n
+
+    def _flush(self) -> None:
+        seen = self._writes
+        super()._flush()
+        self._flushed = seen
+
+    def flush(self) -> None:
+        if self._writes == self._flushed and self.echo is None:
+            return
+        super().flush()
+
+
 class RankKernelApp(UnboundedIOPubApp):
     """IPKernelApp for :class:`RankKernel`, with no IOPub high-water mark."""
 
     name = "dist-kernel-rank"
     kernel_class = RankKernel
+    outstream_class = "dist_kernel.rank.kernel.RankOutStream"
+
+    def init_control(self, context: Any) -> None:
+        super().init_control(context)
+        # no subshells: only the parent talks to a rank, and it never asks for one. Without the
+        # shell channel thread each shell request reaches the main thread directly instead of
+        # through a second thread and an inproc socket (a quarter of a rank's CPU per cell)
+        self.shell_channel_thread = None
 
 
 def main() -> None:
