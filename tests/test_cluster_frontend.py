@@ -10,6 +10,7 @@ import time
 import pytest
 from harness import DistKernel
 from test_cluster import SSH_OPTS, kernel_env
+from test_frontend import shell_reply
 
 pytestmark = pytest.mark.slow
 
@@ -33,13 +34,6 @@ def remote2(lab):
         yield k
     finally:
         k.shutdown()
-
-
-def shell_reply(k: DistKernel, msg_id: str, timeout: float = 30) -> dict:
-    while True:
-        reply = k.kc.get_shell_msg(timeout=timeout)
-        if reply["parent_header"]["msg_id"] == msg_id:
-            return reply["content"]
 
 
 def test_the_stop_button_interrupts_ranks_on_other_machines_once(remote2):
