@@ -258,3 +258,26 @@ def test_rank_connection_files_are_private_and_ranks_use_ipc(kernel2):
         for c in psutil.Process(pid).net_connections(kind="inet"):
             if c.status == psutil.CONN_LISTEN:
                 assert c.laddr.ip in ("127.0.0.1", "::1"), c
+
+
+def _reply_to(k, msg_id: str, timeout: float = 60) -> dict:
+    while True:
+        reply = k.kc.get_shell_msg(timeout=timeout)
+        if reply["parent_header"]["msg_id"] == msg_id:
+            return reply["content"]
+
+
+def test_run_all_after_an_error_aborts_the_cells_queued_behind_it_as_a_plain_kernel_does(kernel2):
+    # JupyterLab's Run All sends every cell at once: after an error, the queued ones are aborted
+    first = kernel2.kc.execute("import time\ntime.sleep(1)\nraise ValueError('stop here')")
+    queued = [kernel2.kc.execute(f"ran_{i} = True") for i in range(2)]
+    assert _reply_to(kernel2, first)["status"] == "error"
+    assert [_reply_to(kernel2, m)["status"] for m in queued] == ["aborted", "aborted"]
+    assert kernel2.execute("print('ran_0' in globals())").stream() == "False\n"
+
+
+def test_a_cell_sent_after_the_error_was_seen_always_runs(kernel2):
+    for _ in range(5):  # a race before: the request could land before the abort window closed
+        res = kernel2.execute("raise ValueError('boom')")
+        assert res.reply["status"] == "error"
+        assert kernel2.execute("print('next')").stream() == "next\n"

@@ -611,6 +611,22 @@ class DistributedKernel(Kernel):
         # the stopped ranks are signalled too: the signal waits, and ends their cell once resumed
         await sup.interrupt(stopped + run.interrupt())
 
+    def _abort_queues(self, subshell_id: str | None = None) -> None:
+        """After an error, abort the execute requests that had already arrived (Run All), and no
+        other. ipykernel clears its flag two turns of the loop later; since replies go out at
+        once on the raw socket, a request the frontend sent after it saw the error could land in
+        between and be aborted. So the flag is cleared by a task that queues for the shell lock
+        behind every request read so far: those are aborted, later ones run."""
+        self._aborting = True
+        if self.shell_stream is not None:
+            self.shell_stream.flush()  # what has arrived now queues for the lock, ahead of the task
+
+        async def stop_aborting() -> None:
+            async with self._main_asyncio_lock:
+                self._aborting = False
+
+        asyncio.ensure_future(stop_aborting())
+
     def _exit_soon(self) -> None:
         """``exit()`` in a cell: like a plain kernel, end (after the reply is sent)."""
         self._exiting = True
