@@ -39,6 +39,18 @@ CTL = b"ctl"
 MSG = b"msg"
 #: the Jupyter channels a rank's messages travel on
 CHANNELS = (b"shell", b"control", b"stdin", b"iopub")
+#: the IPC "ports" of a rank's channels: a rank on a node and its stand-in on the parent alike
+IPC_PORTS = {b"shell": 1, b"iopub": 2, b"stdin": 3, b"control": 4, b"hb": 5}
+
+
+def ipc_endpoint(ip: str, channel: bytes) -> str:
+    """The ZMQ address of one channel of a kernel on IPC at ``ip`` (jupyter_client's naming)."""
+    return f"ipc://{ip}-{IPC_PORTS[channel]}"
+
+
+def ipc_ports() -> dict[str, int]:
+    """The ``*_port`` entries of such a kernel's connection info."""
+    return {f"{name.decode()}_port": num for name, num in IPC_PORTS.items()}
 #: both ends send a beat this often, and call the other side lost after LOST_AFTER silent seconds
 BEAT_INTERVAL = 0.5
 LOST_AFTER = 3.0
@@ -167,6 +179,23 @@ def route_address(host: str, port: int = 9) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect((host, port))
         return s.getsockname()[0]
+
+
+def reach(host: str, port: int, timeout: float) -> str | None:
+    """None once a TCP connection to host:port opens within ``timeout`` (retrying: the other
+    side may still be starting); else the last error, in words."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    error = "timed out"
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=min(3.0, max(0.1, deadline - time.monotonic()))):
+                return None
+        except OSError as e:
+            error = e.strerror or str(e)
+            time.sleep(0.3)
+    return error
 
 
 def interface_of(address: str) -> str | None:

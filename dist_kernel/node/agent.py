@@ -39,28 +39,12 @@ from dist_kernel.placement import rank_env, rank_of
 
 #: how long the agent tries to reach the parent before it reports the address as unreachable
 REACH_TIMEOUT = 10.0
-#: the ipc "ports" of a rank's channels, as in its connection file
-PORTS = {b"shell": 1, b"iopub": 2, b"stdin": 3, b"control": 4, b"hb": 5}
 
 
 def fail(message: str, code: int = 3) -> None:
     """A wiring mistake: one clear line on stderr (srun/ssh carry it to the parent), then exit."""
     print(f"dist_kernel node agent on {socket.gethostname()}: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
-
-
-def reach(host: str, port: int, timeout: float) -> str | None:
-    """None when a TCP connection to host:port opens within ``timeout``; else the last error."""
-    deadline = time.monotonic() + timeout
-    error = "timed out"
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=min(3.0, max(0.1, deadline - time.monotonic()))):
-                return None
-        except OSError as e:
-            error = e.strerror or str(e)
-            time.sleep(0.5)
-    return error
 
 
 def free_port(address: str, port_range: list[int] | None, avoid: int) -> int:
@@ -126,7 +110,7 @@ class NodeAgent:
         except OSError as e:
             fail(f"node {self.node} has no route to the parent at {host}:{port} ({e.strerror or e}). "
                  "Fix: start the kernel with --listen set to an address of the parent's machine that the nodes can reach.")
-        error = reach(host, port, REACH_TIMEOUT)
+        error = tunnel.reach(host, port, REACH_TIMEOUT)
         if error is not None:
             fail(f"node {self.node} cannot reach the parent at {host}:{port} ({error}). Fix: --listen must be "
                  "an address of the parent's machine that the nodes can reach (not loopback), and a firewall "
@@ -166,7 +150,7 @@ class NodeAgent:
             cf = os.path.join(self.runtime_dir, f"rank{rank}.json")
             write_connection_file(cf, transport="ipc", ip=ipc, key=boot.rank_keys[str(rank)].encode(),
                                   signature_scheme="hmac-sha256", kernel_name="dist-kernel-rank",
-                                  **{f"{name.decode()}_port": num for name, num in PORTS.items()})
+                                  **tunnel.ipc_ports())
             env = rank_env(dict(os.environ), rank=rank, ranks_per_node=boot.ranks_per_node,
                            world_size=boot.world_size, master_addr=master_addr, master_port=master_port,
                            runtime_dir=self.runtime_dir, parent_pid=os.getpid(), gpus=boot.gpus,
@@ -189,7 +173,7 @@ class NodeAgent:
                     s.setsockopt(zmq.SUBSCRIBE, b"")
                 else:
                     s.setsockopt(zmq.IDENTITY, identity)
-                s.connect(f"ipc://{ipc}-{PORTS[name]}")
+                s.connect(tunnel.ipc_endpoint(ipc, name))
                 sockets[name] = s
             self.ranks[rank] = RankChild(rank, proc, log_path, sockets)
         self.send_ctl({"type": "started", "node": self.node,

@@ -37,7 +37,6 @@ from dist_kernel.options import KernelConfig
 #: a node whose agent has not said hello this long after its launcher started it (or left
 #: the queue) is a wiring mistake, reported well before --startup-timeout
 CONNECT_TIMEOUT = 30.0
-PORTS = {b"shell": 1, b"iopub": 2, b"stdin": 3, b"control": 4, b"hb": 5}
 
 
 class _NoHeartbeatClient(AsyncKernelClient):
@@ -128,13 +127,13 @@ class Tunnel:
             s = self.ctx.socket(kind)
             s.linger = 0
             s.sndhwm = s.rcvhwm = 0
-            s.bind(f"ipc://{ip}-{PORTS[name]}")
+            s.bind(tunnel.ipc_endpoint(ip, name))
             sockets[name] = s
             self._stand_ins[s] = (rank, name)
         self._rank_sockets[rank] = sockets
         return {"transport": "ipc", "ip": ip, "signature_scheme": "hmac-sha256",
                 "key": self.keys["rank_keys"][str(rank)],
-                **{f"{name.decode()}_port": num for name, num in PORTS.items()}}
+                **tunnel.ipc_ports()}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="dist_kernel-tunnel", daemon=True)
@@ -249,7 +248,6 @@ class RemoteRankProcess:
         self.state = ""
         self.log = ""
         self.gone = ""  # why the rank is gone without an exit code (its node was lost)
-        self.log_path = ""
 
     @property
     def host(self) -> str:

@@ -83,17 +83,12 @@ def _check_reachable(rank: int, host: str, port: int) -> None:
     """A node that cannot reach rank 0's rendezvous is a wiring mistake: say so with the
     address, instead of waiting out the collective timeout."""
     import socket
-    import time
 
-    deadline = time.monotonic() + REACH_TIMEOUT
-    error = "timed out"
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=3):
-                return
-        except OSError as e:
-            error = e.strerror or str(e)
-            time.sleep(0.3)
+    from dist_kernel.tunnel import reach
+
+    error = reach(host, port, REACH_TIMEOUT)
+    if error is None:
+        return
     raise RuntimeError(
         f"rank {rank} on {socket.gethostname()} cannot reach rank 0's rendezvous at {host}:{port} ({error}) "
         f"within {REACH_TIMEOUT:.0f}s. Fix: let the nodes reach each other on the cluster network "
