@@ -135,6 +135,9 @@ class Place:
     stack: list[str]
     line: str
     busy: bool  # the main thread is running a cell (not idle in the event loop)
+    #: it waits in the rendezvous store: group creation (``collective`` is the public call,
+    #: ``new_group``), which every rank of the world must enter
+    store_wait: bool = False
 
 
 @dataclass(frozen=True)

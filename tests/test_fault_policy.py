@@ -85,6 +85,15 @@ def test_a_sub_group_collective_missing_a_finished_member_is_torn_down():
     assert "which rank 2 never entered" in v.stuck[0]
 
 
+def test_group_creation_that_a_left_out_rank_never_enters_is_ended_on_the_waiting_rank_too():
+    waiting = Seen(answered=True, collective="new_group", group_ranks=WORLD, store_wait=True, line="line 1: ...")
+    v = Judge().judge(cell(ranks=(0,), busy=(0,)), {0: waiting}, now=10.0)
+    # the idle rank's teardown cannot reach a wait in the rendezvous store: rank 0 ends its own
+    assert v.action == "teardown" and v.teardown_on == (0, 1)
+    assert v.stuck[0] == ("rank 0 was blocked in torch.distributed.new_group() (group creation, which every "
+                          "rank must enter), which rank 1 never entered (idle: finished or not selected by %%rank)")
+
+
 def test_a_rank_that_does_not_answer_is_never_torn_down_for():
     c = cell(busy=(0,), first_finished=0.0)
     assert Judge().judge(c, {0: Seen(answered=False)}, now=60.0).action == "wait"

@@ -63,6 +63,7 @@ class Seen:
     peer: int | None = None
     seq: int | None = None
     line: str = ""
+    store_wait: bool = False  # in group creation (``new_group``), waiting in the rendezvous store
 
     @property
     def blocked(self) -> bool:
@@ -170,8 +171,8 @@ class Judge:
                 return verdict
         blocked = [r for r in busy if r in seen and seen[r].blocked]
         if blocked:
-            return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in "
-                                           f"torch.distributed.{seen[r].collective}()" for r in blocked},
+            return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(seen[r])}"
+                                       for r in blocked},
                            teardown_on=tuple(r for r in cell.world if r not in cell.dead),
                            ename="KeyboardInterrupt")
         return WAIT
@@ -183,10 +184,13 @@ class Judge:
         waiting = {r: sorted(idle & set(seen[r].group_ranks or cell.world)) for r in busy}
         if not any(waiting.values()):
             return WAIT
-        stuck = {r: f"rank {r} was blocked in torch.distributed.{seen[r].collective}(), which rank "
+        stuck = {r: f"rank {r} was blocked in {_blocked_in(seen[r])}, which rank "
                     f"{format_ranks(waiting[r] or sorted(idle))} never entered "
                     f"(idle: finished or not selected by %%rank)" for r in busy}
-        return Verdict("teardown", stuck, teardown_on=tuple(sorted(idle)))
+        # the idle ranks' teardown frees ranks blocked in a collective with them; a rank waiting
+        # in the rendezvous store (group creation) is freed by its own
+        in_store = {r for r in busy if seen[r].store_wait}
+        return Verdict("teardown", stuck, teardown_on=tuple(sorted(idle | in_store)))
 
     def _mismatched(self, cell: Cell, busy: list[int], seen: dict[int, Seen], now: float) -> Verdict:
         if not busy or any(not (r in seen and seen[r].blocked) for r in busy):
@@ -243,6 +247,13 @@ def remote_culprit(causes: Iterable[RemoteCause]) -> RemoteCause:
     if not heard:
         raise ValueError("no cause heard")
     return min(heard, key=lambda c: (_REMOTE_ORDER.index(c.kind), heard.index(c)))
+
+
+def _blocked_in(s: Seen) -> str:
+    """Where a blocked rank waits, in words."""
+    if s.store_wait:
+        return f"torch.distributed.{s.collective}() (group creation, which every rank must enter)"
+    return f"torch.distributed.{s.collective}()"
 
 
 def _call(s: Seen) -> str:

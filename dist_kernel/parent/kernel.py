@@ -750,7 +750,7 @@ def _seen(place: Any) -> fault_policy.Seen:
     if place is None:
         return fault_policy.Seen(answered=False)
     return fault_policy.Seen(answered=True, collective=place.collective, group_ranks=tuple(place.group_ranks),
-                             peer=place.peer, seq=place.seq, line=place.line)
+                             peer=place.peer, seq=place.seq, line=place.line, store_wait=place.store_wait)
 
 
 def _sent(msg: dict) -> datetime | None:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from types import FrameType
 
 from dist_kernel.protocol import Done, Place, RankStatus
+from dist_kernel.rank import store
 
 _state: dict[str, object] = {"empty_cache": True, "busy": False}
 
@@ -57,12 +58,18 @@ def where() -> Place:
     busy = bool(_state.get("busy"))
     if frame is None:
         return Place(collective=None, group_ranks=[], peer=None, seq=None, stack=[], line="", busy=busy)
-    collective, dist_frame = None, None
+    collective, dist_frame, public = None, None, None
     f: FrameType | None = frame
     while f is not None:  # the innermost torch.distributed call, with its arguments
         if f.f_code.co_filename.endswith("distributed_c10d.py") and f.f_code.co_name not in _WRAPPERS:
             collective, dist_frame = f.f_code.co_name, f
+        if "/torch/distributed/" in f.f_code.co_filename and not f.f_code.co_name.startswith("_") \
+                and f.f_code.co_name not in _WRAPPERS:
+            public = f.f_code.co_name  # the outermost public call: new_subgroups, not its new_group
         f = f.f_back
+    store_wait = store.waiting() and public is not None
+    if store_wait:  # group creation: name what the user called, never a private helper
+        collective = public
     group_ranks: list[int] = []
     peer = seq = None
     if dist_frame is not None:
@@ -77,7 +84,7 @@ def where() -> Place:
     cell = [fs for fs in summary if _short(fs.filename) == "cell"]
     line = f"line {cell[-1].lineno}: {cell[-1].line}" if cell else ""
     return Place(collective=collective, group_ranks=group_ranks, peer=peer, seq=seq, stack=stack,
-                 line=line, busy=busy)
+                 line=line, busy=busy, store_wait=store_wait)
 
 
 def _group_info(group: object) -> tuple[list[int], int | None]:
@@ -100,7 +107,10 @@ _GLOO_BROKEN = ("Connection closed by peer", "Connection reset by peer", "Broken
 
 
 def group_broke(exc: BaseException | None) -> bool:
-    """Did this error (or one it was raised from) come from a broken process group?"""
+    """Did this error (or one it was raised from) come from a broken process group? Or was a
+    wait in the rendezvous store given up (the ranks then disagree on which groups exist)?"""
+    if store.abandoned():
+        return True
     dist = sys.modules.get("torch.distributed")
     dist_error = getattr(dist, "DistError", None)
     for _ in range(10):
@@ -218,10 +228,12 @@ def teardown_group(peer_pids: list[int], peer_hosts: list[str] | None = None) ->
     Destroying the group makes peers blocked with this rank raise, but not this rank's own
     main thread when it is blocked itself (every rank in mismatched collectives): so the
     rank also shuts down its TCP connections to the peer ranks, which is what a dead peer
-    looks like to gloo ("Connection closed by peer"). The group is formed again afterwards.
+    looks like to gloo ("Connection closed by peer"). A wait in the rendezvous store (group
+    creation) is ended too. The group is formed again afterwards.
     """
+    released = store.release()
     cut = cut_connections(peer_pids, peer_hosts or [])
-    outcome = f"cut {cut} connection(s)"
+    outcome = f"cut {cut} connection(s)" + (", ended a wait in the store" if released else "")
     if not _state.get("busy"):
         try:
             import torch.distributed as dist

@@ -101,13 +101,13 @@ class RankKernel(IPythonKernel):
         self._main_loop = asyncio.get_event_loop()  # the shell's loop, on the main thread
 
     def finish_metadata(self, parent: dict, metadata: dict, reply_content: dict) -> dict:
-        """Tell the parent, in the execute_reply, when the cell's error broke the process group
-        (it then re-forms the group on every rank)."""
+        """Tell the parent, in the execute_reply, when the cell's error broke the process group,
+        or the cell gave up a wait in group creation (it then re-forms the group on every rank)."""
         metadata = super().finish_metadata(parent, metadata, reply_content)
         result = getattr(self.shell, "last_execution_result", None)
         error = getattr(result, "error_in_exec", None) if result is not None else None
         info: dict = {}
-        if reply_content.get("status") == "error" and agent.group_broke(error):
+        if agent.group_broke(error if reply_content.get("status") == "error" else None):
             info["group_broken"] = True
         # how many IOPub messages this cell published before its reply (streams are flushed by
         # now): the parent has all of its output once it holds the reply and that many

@@ -6,7 +6,9 @@ rendezvous goes through a ``FileStore`` in the kernel's private runtime director
 0700): no port is chosen, so there is no free-port race, two kernels never collide, and
 nothing listens on the network (``TCPStore`` binds every interface). Across machines, rank 0
 hosts a ``TCPStore`` on its node's cluster address (``MASTER_ADDR:MASTER_PORT``), kept for
-the kernel's life; each formation uses its own prefix in it. The launcher sets the
+the kernel's life; each formation uses its own prefix in it. Either is wrapped by
+:mod:`dist_kernel.rank.store`, so that a rank waiting there for peers that never come (group
+creation on some ranks only) can be freed. The launcher sets the
 interface gloo and NCCL use (loopback for local ranks, the cluster interface otherwise).
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from dist_kernel.protocol import Join
-from dist_kernel.rank import agent
+from dist_kernel.rank import agent, store
 
 
 def join(req: Join) -> str:
@@ -47,6 +49,7 @@ def join(req: Join) -> str:
             pass
     dist.init_process_group(backend, store=_store(req), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=req.timeout), **kwargs)
+    store.formed()
     _define_names(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
     agent.set_device(str(device))
     if req.first and req.seed is not None:
@@ -68,7 +71,7 @@ def _store(req: Join):  # noqa: ANN202 - a torch.distributed Store
     import torch.distributed as dist
 
     if not req.store.startswith("tcp://"):
-        return dist.FileStore(req.store, req.world_size)
+        return store.endable(dist.FileStore(req.store, req.world_size))
     address, _, prefix = req.store[len("tcp://"):].partition("/")
     host, _, port = address.rpartition(":")
     if not _tcp_store:
@@ -76,7 +79,7 @@ def _store(req: Join):  # noqa: ANN202 - a torch.distributed Store
             _check_reachable(req.rank, host, int(port))
         _tcp_store.append(dist.TCPStore(host, int(port), req.world_size, is_master=req.rank == 0,
                                         timeout=timedelta(seconds=req.timeout), wait_for_workers=False))
-    return dist.PrefixStore(prefix, _tcp_store[0])
+    return dist.PrefixStore(prefix, store.endable(_tcp_store[0]))
 
 
 def _check_reachable(rank: int, host: str, port: int) -> None:
