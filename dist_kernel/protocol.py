@@ -153,6 +153,7 @@ class RankStatus:
     line: str  # where the cell is, when busy
     cuda_allocated_mb: float | None = None
     cuda_reserved_mb: float | None = None
+    group: str = "up"  # the default process group: "up", or "down" (destroyed in a cell)
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,16 @@ def test_a_reformation_waits_for_a_rank_left_running():
     assert after_cell(torn_down=True, broke=False, dead=(), left_running=(1,)) == "later"
 
 
+def test_a_group_the_cell_destroyed_on_every_rank_is_left_down_for_the_user():
+    assert after_cell(torn_down=False, broke=False, dead=(), left_running=(), destroyed=(0, 1), world=WORLD) == "down"
+
+
+def test_a_group_destroyed_on_some_ranks_only_is_broken_for_the_others_and_formed_again():
+    assert after_cell(torn_down=False, broke=False, dead=(), left_running=(), destroyed=(1,), world=WORLD) == "reform"
+    assert after_cell(torn_down=False, broke=False, dead=(0,), left_running=(), destroyed=(1,),
+                      world=WORLD) == "restart"
+
+
 # ------------------------------------------------------------ rule 6: ranks on other machines
 def test_a_rank_that_exited_on_a_node_outranks_what_followed_from_it():
     from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit

@@ -207,18 +207,25 @@ class Judge:
         return Verdict("teardown", stuck, teardown_on=tuple(r for r in cell.world if r not in cell.dead))
 
 
-Reform = Literal["none", "reform", "restart", "later"]
+Reform = Literal["none", "reform", "restart", "later", "down"]
 
 
-def after_cell(torn_down: bool, broke: bool, dead: Iterable[int], left_running: Iterable[int]) -> Reform:
+def after_cell(torn_down: bool, broke: bool, dead: Iterable[int], left_running: Iterable[int],
+               destroyed: Iterable[int] = (), world: Iterable[int] = ()) -> Reform:
     """Once a cell has ended: must the group be formed again, and can it be?
 
     ``none``: the group is fine. ``reform``: it was torn down, or a rank reported that the
-    cell's error broke it: every rank joins a fresh group (variables survive). ``restart``: a
-    rank is dead (also when it died during a re-formation), so no group can form without a new
-    rank. ``later``: a rank is still running the cell the kernel gave up on; the group is
-    formed again once it is back.
+    cell's error broke it, or the cell destroyed it (``dist.destroy_process_group()``) on some
+    ranks only, which breaks it for the others: every rank joins a fresh group (variables
+    survive). ``down``: the cell destroyed it on every rank of the ``world``: the user's choice,
+    left as it is (the cell says how to bring it back). ``restart``: a rank is dead (also when
+    it died during a re-formation), so no group can form without a new rank. ``later``: a rank
+    is still running the cell the kernel gave up on; the group is formed again once it is back.
     """
+    destroyed = set(destroyed)
+    if destroyed and not (torn_down or broke) and destroyed >= set(world):
+        return "down"
+    broke = broke or bool(destroyed)
     if not (torn_down or broke):
         return "none"
     if any(True for _ in dead):
@@ -226,6 +233,14 @@ def after_cell(torn_down: bool, broke: bool, dead: Iterable[int], left_running: 
     if any(True for _ in left_running):
         return "later"
     return "reform"
+
+
+def down_note(backend: str) -> str:
+    """What a cell that destroyed the group on every rank says: how to bring it back."""
+    return (f"\x1b[1;33mdist_kernel:\x1b[0m the process group is down on every rank (dist.destroy_process_group()); "
+            f"collectives fail until it is formed again. Bring it back with dist.init_process_group(\"{backend}\") "
+            "run on every rank (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set, as torchrun sets them), "
+            "or restart the kernel.")
 
 
 RemoteKind = Literal["exited", "lost", "launcher", "ending", "terminated"]

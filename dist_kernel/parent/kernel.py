@@ -252,7 +252,7 @@ class DistributedKernel(Kernel):
             self._current = None
             self._stdin = None
 
-        if run.group_broken or self._group_broke(run):
+        if run.group_broken or self._group_broke(run) or self._destroyed(run):
             await self._recover_group(run)
         first = plan.ranks[0]
         reply0 = run.replies.get(first, {})
@@ -264,6 +264,8 @@ class DistributedKernel(Kernel):
             if not silent:
                 self._publish(parent, "error", error)
             return {"status": "error", "execution_count": self.execution_count, **error}
+        if run.notes and not silent:  # a cell that succeeded but changed the group (destroyed it)
+            self._publish(parent, "stream", {"name": "stderr", "text": "\n".join(run.notes) + "\n"})
         return {"status": "ok", "execution_count": self.execution_count,
                 "user_expressions": reply0.get("user_expressions", {}),
                 # payloads (pager, set_next_input) from one rank only, or the frontend acts N times
@@ -323,6 +325,10 @@ class DistributedKernel(Kernel):
         """Did a rank report that its process group broke during the cell?"""
         return any(meta.get("dist_kernel", {}).get("group_broken") for meta in run.reply_metadata.values())
 
+    def _destroyed(self, run: CellRun) -> list[int]:
+        """The ranks whose cell destroyed the process group (``dist.destroy_process_group()``)."""
+        return [r for r, meta in run.reply_metadata.items() if meta.get("dist_kernel", {}).get("group_destroyed")]
+
     async def _recover_group(self, run: CellRun) -> None:
         """After a torn-down or broken group, form a fresh one on every rank (policy: after_cell)."""
         sup = self.supervisor
@@ -330,7 +336,8 @@ class DistributedKernel(Kernel):
 
         def decide() -> str:
             return fault_policy.after_cell(run.group_broken, self._group_broke(run),
-                                           [r for r, rk in sup.ranks.items() if not rk.alive], self._left_running)
+                                           [r for r, rk in sup.ranks.items() if not rk.alive], self._left_running,
+                                           destroyed=self._destroyed(run), world=sup.ranks)
 
         decision = decide()
         if decision == "reform":
@@ -346,7 +353,9 @@ class DistributedKernel(Kernel):
                 if decision == "reform":
                     run.notes.append(f"Re-forming the process group failed ({e}); restart the kernel.")
                     return
-        if decision == "restart":
+        if decision == "down":
+            run.notes.append(fault_policy.down_note(sup.config.backend))
+        elif decision == "restart":
             run.notes.append("A rank died, so the process group cannot be re-formed: restart the kernel.")
         elif decision == "later":
             self._reform_pending = True

@@ -50,6 +50,21 @@ def die_with_parent(parent_pid: int) -> None:
 
 def before_cell(info: object = None) -> None:
     _state["busy"] = True
+    _state["up_at_start"] = group_up()
+
+
+def group_up() -> bool:
+    """Is this rank's default process group initialised?"""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:  # noqa: BLE001 - a half-imported torch: no group
+        return False
+
+
+def group_destroyed() -> bool:
+    """Did the cell that just ran take the group down (``dist.destroy_process_group()``)?"""
+    return bool(_state.get("up_at_start")) and not group_up()
 
 
 def where() -> Place:
@@ -213,6 +228,7 @@ def status() -> RankStatus:
     place = where()
     return RankStatus(pid=os.getpid(), host=socket.gethostname(), device=str(_state.get("device", "?")),
                       rss_mb=rss, empty_cache=bool(_state.get("empty_cache")), busy=place.busy,
+                      group="up" if group_up() else "down",
                       line=place.line if place.busy else "", cuda_allocated_mb=cuda_alloc,
                       cuda_reserved_mb=cuda_reserved)
 

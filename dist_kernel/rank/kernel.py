@@ -109,6 +109,8 @@ class RankKernel(IPythonKernel):
         info: dict = {}
         if agent.group_broke(error if reply_content.get("status") == "error" else None):
             info["group_broken"] = True
+        elif agent.group_destroyed():  # the cell destroyed it: the parent decides what now
+            info["group_destroyed"] = True
         # how many IOPub messages this cell published before its reply (streams are flushed by
         # now): the parent has all of its output once it holds the reply and that many
         # messages, without waiting for the idle that the IOPub thread sends after the reply

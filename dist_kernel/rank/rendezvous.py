@@ -47,9 +47,11 @@ def join(req: Join) -> str:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - already torn down by a peer
             pass
-    dist.init_process_group(backend, store=_store(req), rank=rank,
+    meeting = _store(req)
+    dist.init_process_group(backend, store=meeting, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=req.timeout), **kwargs)
     store.formed()
+    _master_port(req, meeting)
     _define_names(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
     agent.set_device(str(device))
     if req.first and req.seed is not None:
@@ -80,6 +82,30 @@ def _store(req: Join):  # noqa: ANN202 - a torch.distributed Store
         _tcp_store.append(dist.TCPStore(host, int(port), req.world_size, is_master=req.rank == 0,
                                         timeout=timedelta(seconds=req.timeout), wait_for_workers=False))
     return dist.PrefixStore(prefix, store.endable(_tcp_store[0]))
+
+
+#: MASTER_PORT, when this module set it (one machine): a new one at each formation
+_port_set: list[str] = []
+
+
+def _master_port(req: Join, meeting) -> None:  # noqa: ANN001 - a torch.distributed Store
+    """Give the ranks a MASTER_PORT, so that ``dist.init_process_group("gloo")`` by hand (env://,
+    as under torchrun) works after a cell destroyed the group. On one machine the ranks meet in a
+    file and no port was given: rank 0 picks a free loopback port and the others read it from the
+    store. Across machines MASTER_PORT is set already (rank 0's TCPStore serves it)."""
+    import os
+    import socket
+
+    if req.store.startswith("tcp://") or (os.environ.get("MASTER_PORT") and not _port_set):
+        return
+    key = "dist_kernel/master_port"
+    if req.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            meeting.set(key, str(s.getsockname()[1]))
+    port = meeting.get(key).decode()
+    os.environ["MASTER_PORT"] = port
+    _port_set[:] = [port]
 
 
 def _check_reachable(rank: int, host: str, port: int) -> None:
