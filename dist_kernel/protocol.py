@@ -138,6 +138,9 @@ class Place:
     #: it waits in the rendezvous store: group creation (``collective`` is the public call,
     #: ``new_group``), which every rank of the world must enter
     store_wait: bool = False
+    #: the cell's own code still runs; False once it has ended (its traceback is being shown,
+    #: its reply sent): an interrupted rank in that state has stopped and only reports
+    in_code: bool = True
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_kernel.parent.fault_policy import Cell, Judge, Seen, after_cell, look_due
+from dist_kernel.parent.fault_policy import Cell, Judge, Seen, after_cell, look_due, out_of_step
 
 WORLD = (0, 1)
 
@@ -160,10 +160,27 @@ def test_an_interrupt_that_a_blocked_rank_cannot_see_tears_the_group_down_everyw
     assert v.action == "teardown" and v.teardown_on == (0, 1) and v.ename == "KeyboardInterrupt"
 
 
-def test_an_interrupt_that_ends_one_rank_reports_the_other_as_waiting_for_it():
+def test_an_interrupt_that_ends_one_rank_frees_the_other_and_both_report_the_interrupt():
     c = cell(busy=(0,), first_finished=10.5, interrupted_at=10.0)
     v = Judge().judge(c, {0: blocked("all_reduce")}, now=11.0)
-    assert v.action == "teardown" and v.ename == "CollectiveHangError" and v.teardown_on == (1,)
+    # the stop button caused the wait: one KeyboardInterrupt, not a hang "rank 1 never entered"
+    assert v.action == "teardown" and v.ename == "KeyboardInterrupt" and v.teardown_on == (1,)
+    assert v.stuck == {0: "rank 0 was interrupted while blocked in torch.distributed.all_reduce()"}
+
+
+def test_a_rank_that_stopped_and_is_still_showing_its_traceback_is_waited_for_not_left_behind():
+    c = cell(busy=(0, 1), interrupted_at=10.0)
+    reporting = Seen(answered=True, collective=None, in_code=False)
+    v = Judge().judge(c, {0: reporting, 1: COMPUTING}, now=15.0)
+    assert v.action == "abandon" and list(v.stuck) == [1]  # rank 1's code still runs
+    assert Judge().judge(cell(busy=(0,), interrupted_at=10.0), {0: reporting}, now=15.0).action == "wait"
+    assert Judge().judge(cell(busy=(0,), interrupted_at=10.0), {0: reporting}, now=40.0).action == "abandon"
+
+
+def test_ranks_out_of_step_after_a_failed_cell_are_formed_again():
+    assert out_of_step({0: 7, 1: 6}, WORLD)
+    assert not out_of_step({0: 7, 1: 7}, WORLD)
+    assert not out_of_step({0: 7}, WORLD)  # a rank that did not run the cell says nothing
 
 
 def test_an_interrupt_during_a_teardown_waits_for_the_ranks_to_raise_then_gives_up():

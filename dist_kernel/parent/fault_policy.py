@@ -18,7 +18,9 @@ each busy rank waits, the time) and gets back a decision. The rules:
    a deadlock. Tear the group down on every rank. Reported within ``hang_grace``.
 4. **Interrupt.** One second after the stop button, ranks still blocked in a collective did
    not react to SIGINT (C++ does not return to Python): tear the group down on every rank.
-   Five seconds after it, ranks still busy are left behind so that the cell ends.
+   Five seconds after it, ranks still running the cell's code are left behind so that the cell
+   ends; a rank whose code has stopped and that is still formatting its traceback (slow on a
+   loaded machine) is waited for, up to half a minute.
 5. **Stopped or silent ranks** (SIGSTOP, a debugger, C code holding the GIL) are named; the
    group is left alone, since resuming the rank may resume the cell.
 6. **Ranks on other machines** (:func:`remote_culprit`). One fault there sets off others: a
@@ -45,6 +47,9 @@ from dist_kernel.parent.magics import format_ranks
 FAST_GRACE = 1.0
 #: after an interrupt and a teardown, how long a rank may stay busy before the cell ends without it
 GIVE_UP_AFTER = 5.0
+#: how long a rank whose code has stopped may take to report it (IPython formats the traceback:
+#: about 0.2 s on an idle machine, seconds with a load of 4 on 2 cores)
+REPORT_WITHIN = 30.0
 #: how long a survivor of a dead peer may take to stop
 STOP_TIMEOUT = 3.0
 P2P = ("send", "recv", "isend", "irecv")
@@ -64,6 +69,7 @@ class Seen:
     seq: int | None = None
     line: str = ""
     store_wait: bool = False  # in group creation (``new_group``), waiting in the rendezvous store
+    in_code: bool = True  # the cell's code runs; False: it ended and the rank only reports (a traceback)
 
     @property
     def blocked(self) -> bool:
@@ -160,15 +166,22 @@ class Judge:
     def _after_interrupt(self, cell: Cell, busy: list[int], seen: dict[int, Seen], now: float) -> Verdict:
         assert cell.interrupted_at is not None
         if now - cell.interrupted_at >= GIVE_UP_AFTER:
+            # a rank whose code stopped and that is only showing its traceback is waited for
+            late = now - cell.interrupted_at >= REPORT_WITHIN
+            running = [r for r in busy if late or not (r in seen and seen[r].answered and not seen[r].in_code)]
+            if not running:
+                return WAIT
             return Verdict("abandon", {r: f"rank {r} did not stop after the interrupt; it may still be "
                                           f"running (restart the kernel if it does not come back)"
-                                       for r in busy}, ename="KeyboardInterrupt")
+                                       for r in running}, ename="KeyboardInterrupt")
         if cell.torn_down:
             return WAIT
         if cell.idle:  # the interrupt ended some ranks' cells: the others now wait for them
             verdict = self._waiting_for_idle(cell, busy, seen)
-            if verdict.action != "wait":
-                return verdict
+            if verdict.action != "wait":  # one KeyboardInterrupt, not a hang the stop caused
+                return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(seen[r])}"
+                                            for r in verdict.stuck}, teardown_on=verdict.teardown_on,
+                               ename="KeyboardInterrupt")
         blocked = [r for r in busy if r in seen and seen[r].blocked]
         if blocked:
             return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(seen[r])}"
@@ -233,6 +246,15 @@ def after_cell(torn_down: bool, broke: bool, dead: Iterable[int], left_running: 
     if any(True for _ in left_running):
         return "later"
     return "reform"
+
+
+def out_of_step(seqs: dict[int, int], world: Iterable[int]) -> bool:
+    """After a failed cell that every rank ran (``seqs``: each rank's collective sequence
+    number, from its reply): do they differ? An interrupt can land after a rank enqueued a
+    collective and before it waited for it: the others never enter it, so every later
+    collective pairs with the wrong one. The group must then be formed again."""
+    world = tuple(world)
+    return bool(world) and all(r in seqs for r in world) and len({seqs[r] for r in world}) > 1
 
 
 def down_note(backend: str) -> str:

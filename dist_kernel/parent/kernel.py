@@ -323,7 +323,9 @@ class DistributedKernel(Kernel):
 
     def _group_broke(self, run: CellRun) -> bool:
         """Did a rank report that its process group broke during the cell?"""
-        return any(meta.get("dist_kernel", {}).get("group_broken") for meta in run.reply_metadata.values())
+        said = {r: meta.get("dist_kernel") or {} for r, meta in run.reply_metadata.items()}
+        seqs = {r: info["seq"] for r, info in said.items() if isinstance(info.get("seq"), int)}
+        return any(info.get("group_broken") for info in said.values()) or fault_policy.out_of_step(seqs, run.world)
 
     def _destroyed(self, run: CellRun) -> list[int]:
         """The ranks whose cell destroyed the process group (``dist.destroy_process_group()``)."""
@@ -759,7 +761,8 @@ def _seen(place: Any) -> fault_policy.Seen:
     if place is None:
         return fault_policy.Seen(answered=False)
     return fault_policy.Seen(answered=True, collective=place.collective, group_ranks=tuple(place.group_ranks),
-                             peer=place.peer, seq=place.seq, line=place.line, store_wait=place.store_wait)
+                             peer=place.peer, seq=place.seq, line=place.line, store_wait=place.store_wait,
+                             in_code=place.in_code)
 
 
 def _sent(msg: dict) -> datetime | None:

@@ -50,7 +50,41 @@ def die_with_parent(parent_pid: int) -> None:
 
 def before_cell(info: object = None) -> None:
     _state["busy"] = True
+    _state["in_code"] = True
     _state["up_at_start"] = group_up()
+
+
+def in_code() -> bool:
+    """Is the cell's own code still running (not yet showing its traceback, not finished)?
+
+    Only then does the stop button's SIGINT raise: a second one while IPython formats the
+    first one's traceback (slow on a loaded machine), or while ipykernel sends the reply,
+    would print a second error, or escape the request so that no reply is ever sent."""
+    return bool(_state.get("in_code"))
+
+
+@contextlib.contextmanager
+def showing_traceback(cell_failed: bool) -> Iterator[None]:
+    """While a traceback is shown, the cell's code does not run; when the cell itself failed
+    (IPython's ``running_compiled_code``), its code is over for good. A traceback a running
+    cell shows and survives (an ipywidgets ``Output``) leaves it interruptible afterwards."""
+    before = _state.get("in_code")
+    _state["in_code"] = False
+    try:
+        yield
+    finally:
+        _state["in_code"] = before and not cell_failed
+
+
+def group_seq() -> int | None:
+    """The default group's collective sequence number (None without a group): ranks that
+    disagree after an interrupted cell are out of step (one enqueued a collective the others
+    never will), and every later collective would pair with the wrong one."""
+    if not group_up():
+        return None
+    import torch.distributed as dist
+
+    return _group_info(dist.GroupMember.WORLD)[1]
 
 
 def group_up() -> bool:
@@ -99,7 +133,7 @@ def where() -> Place:
     cell = [fs for fs in summary if _short(fs.filename) == "cell"]
     line = f"line {cell[-1].lineno}: {cell[-1].line}" if cell else ""
     return Place(collective=collective, group_ranks=group_ranks, peer=peer, seq=seq, stack=stack,
-                 line=line, busy=busy, store_wait=store_wait)
+                 line=line, busy=busy, store_wait=store_wait, in_code=in_code())
 
 
 def _group_info(group: object) -> tuple[list[int], int | None]:
@@ -153,6 +187,7 @@ def _short(filename: str) -> str:
 def after_cell(result: object = None) -> None:
     """Return cached CUDA memory after each cell, so long sessions don't run out through the cache."""
     _state["busy"] = False
+    _state["in_code"] = False
     if not _state.get("empty_cache"):
         return
     torch = sys.modules.get("torch")

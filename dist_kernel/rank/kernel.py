@@ -66,12 +66,27 @@ class RankKernel(IPythonKernel):
         self._main_loop: asyncio.AbstractEventLoop | None = None
         self.shell.events.register("pre_run_cell", agent.before_cell)
         self.shell.events.register("post_run_cell", agent.after_cell)
+        self.shell.showtraceback = self._showing(self.shell.showtraceback)
         # IOPub messages published for the running cell, counted up to its reply (see finish_metadata)
         self._counting: str | None = None
         self._published = 0
         self._told: str | None = None  # the cell whose reply carries its count: no idle for it
         self._count_lock = threading.Lock()
         self.session.send = self._counted(self.session.send)
+
+    @staticmethod
+    def _showing(show: Callable[..., Any]) -> Callable[..., Any]:
+        """``shell.showtraceback`` that tells the agent the cell's code is not running."""
+        def showtraceback(*args: Any, **kwargs: Any) -> Any:
+            with agent.showing_traceback(cell_failed=bool(kwargs.get("running_compiled_code"))):
+                return show(*args, **kwargs)
+
+        return showtraceback
+
+    def pre_handler_hook(self) -> None:
+        """SIGINT raises only while a cell's own code runs (see :func:`agent.in_code`)."""
+        super().pre_handler_hook()
+        signal.signal(signal.SIGINT, _interrupt_cell)
 
     def _counted(self, send: Callable[..., Any]) -> Callable[..., Any]:
         """``session.send`` that counts the IOPub messages of the running cell (every thread's:
@@ -111,6 +126,10 @@ class RankKernel(IPythonKernel):
             info["group_broken"] = True
         elif agent.group_destroyed():  # the cell destroyed it: the parent decides what now
             info["group_destroyed"] = True
+        if reply_content.get("status") == "error":
+            seq = agent.group_seq()  # the parent compares the ranks' (out of step: re-form)
+            if seq is not None:
+                info["seq"] = seq
         # how many IOPub messages this cell published before its reply (streams are flushed by
         # now): the parent has all of its output once it holds the reply and that many
         # messages, without waiting for the idle that the IOPub thread sends after the reply
@@ -198,6 +217,13 @@ class RankKernel(IPythonKernel):
         if channel == "control" and self.get_parent("control").get("header", {}).get("msg_type") == protocol.REQUEST:
             return
         super()._publish_status(status, channel, parent)
+
+
+def _interrupt_cell(signum: int, frame: Any) -> None:
+    if agent.in_code():
+        raise KeyboardInterrupt
+    # else the cell's code is over (its traceback is being shown, its reply sent): the stop
+    # this signal asked for has happened
 
 
 def _msg_id(parent: Any) -> str | None:
