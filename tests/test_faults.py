@@ -95,6 +95,32 @@ def test_a_rank_busy_computing_when_another_dies_is_stopped(fault_kernel):
     assert "rank 1: RankDiedError" in err["evalue"] and "rank 0" in err["evalue"]
 
 
+OUT_OF_MEMORY = (
+    "import resource\n"
+    "if rank == 1:  # rank 1 runs out of memory and keeps what it took, while rank 0 waits for it\n"
+    "    used = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+    "    resource.setrlimit(resource.RLIMIT_AS, (used + {headroom} * 2**20, resource.RLIM_INFINITY))\n"
+    "    hog = []\n"
+    "    while True:\n"
+    "        hog.append(bytearray({chunk} * 2**20))\n"
+    "t = torch.ones(1)\ndist.all_reduce(t)")
+
+
+@pytest.mark.parametrize("headroom,chunk", [(300, 20), (301, 1), (256, 8)])
+def test_a_rank_out_of_memory_inside_a_collective_ends_the_cell_by_itself_and_the_group_is_re_formed(
+        fault_kernel, headroom, chunk):
+    # the chunks leave rank 1 from nothing up to a chunk of address space when MemoryError hits
+    res = fault_kernel.execute(OUT_OF_MEMORY.format(headroom=headroom, chunk=chunk), timeout=30)
+    err = error_of(res)
+    assert "rank 1: MemoryError" in err["evalue"] and "rank 0: CollectiveHangError" in err["evalue"], err
+    assert "did not confirm" not in res.stream("stderr")
+    assert "re-formed" in "\n".join(err["traceback"])
+    assert_group_works_and_variables_survived(fault_kernel)
+    res = fault_kernel.execute("%%rank 1\ndel hog\nresource.setrlimit(resource.RLIMIT_AS, "
+                               "(resource.RLIM_INFINITY, resource.RLIM_INFINITY))", timeout=30)
+    assert res.status == "ok", res.outputs
+
+
 # ------------------------------------------------------------------ 4: interrupt
 def test_interrupt_while_a_rank_is_blocked_in_a_collective_returns(fault_kernel):
     threading.Timer(1.5, fault_kernel.km.interrupt_kernel).start()

@@ -48,7 +48,34 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+#: address space held back for the kernel's own work (a teardown's thread, a re-formation):
+#: freed when a cell runs out of memory, so that the rank can still take part in recovering
+RESERVE = 64 << 20
+_reserve: list = []
+
+
+def keep_reserve() -> None:
+    """Hold :data:`RESERVE` of address space (reserved, never touched: it costs no memory, but
+    counts against ``RLIMIT_AS``), unless it is held already or cannot be had."""
+    if _reserve:
+        return
+    import mmap
+
+    try:
+        _reserve.append(mmap.mmap(-1, RESERVE))
+    except (OSError, ValueError, MemoryError, OverflowError):
+        return
+
+
+def out_of_memory() -> None:
+    """A cell ran out of memory: give the reserve back, for the traceback, the teardown and the
+    re-formation that follow (held again before the next cell)."""
+    while _reserve:
+        _reserve.pop().close()
+
+
 def before_cell(info: object = None) -> None:
+    keep_reserve()
     _state["busy"] = True
     _state["in_code"] = True
     _state["up_at_start"] = group_up()
@@ -64,12 +91,14 @@ def in_code() -> bool:
 
 
 @contextlib.contextmanager
-def showing_traceback(cell_failed: bool) -> Iterator[None]:
+def showing_traceback(cell_failed: bool, error: BaseException | None = None) -> Iterator[None]:
     """While a traceback is shown, the cell's code does not run; when the cell itself failed
     (IPython's ``running_compiled_code``), its code is over for good. A traceback a running
     cell shows and survives (an ipywidgets ``Output``) leaves it interruptible afterwards."""
     before = _state.get("in_code")
     _state["in_code"] = False
+    if isinstance(error, MemoryError):
+        out_of_memory()
     try:
         yield
     finally:

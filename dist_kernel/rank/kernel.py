@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -78,7 +79,7 @@ class RankKernel(IPythonKernel):
     def _showing(show: Callable[..., Any]) -> Callable[..., Any]:
         """``shell.showtraceback`` that tells the agent the cell's code is not running."""
         def showtraceback(*args: Any, **kwargs: Any) -> Any:
-            with agent.showing_traceback(cell_failed=bool(kwargs.get("running_compiled_code"))):
+            with agent.showing_traceback(bool(kwargs.get("running_compiled_code")), sys.exc_info()[1]):
                 return show(*args, **kwargs)
 
         return showtraceback
@@ -162,9 +163,11 @@ class RankKernel(IPythonKernel):
         elif isinstance(req, protocol.Teardown):
             # destroying a group can wait on its work threads: never on the control loop itself
             loop = asyncio.get_running_loop()
-            asyncio.ensure_future(self._answer(stream, ident, parent, req.op,
-                                               loop.run_in_executor(None, agent.teardown_group, req.peer_pids,
-                                                                   req.peer_hosts)))
+            try:
+                pending = loop.run_in_executor(None, agent.teardown_group, req.peer_pids, req.peer_hosts)
+            except RuntimeError:  # no thread to be had (out of memory): answer it here, late or not
+                pending = _done(loop, agent.teardown_group(req.peer_pids, req.peer_hosts))
+            asyncio.ensure_future(self._answer(stream, ident, parent, req.op, pending))
         else:
             try:
                 result = _QUICK[type(req)](req)
@@ -232,6 +235,12 @@ def _msg_id(parent: Any) -> str | None:
         return None
     header = parent.get("header", parent)
     return header.get("msg_id") if isinstance(header, dict) else None
+
+
+def _done(loop: asyncio.AbstractEventLoop, value: Any) -> asyncio.Future:
+    fut = loop.create_future()
+    fut.set_result(value)
+    return fut
 
 
 def _settle(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
