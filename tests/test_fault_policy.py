@@ -177,6 +177,15 @@ def test_a_rank_that_stopped_and_is_still_showing_its_traceback_is_waited_for_no
     assert Judge().judge(cell(busy=(0,), interrupted_at=10.0), {0: reporting}, now=40.0).action == "abandon"
 
 
+def test_a_rank_is_called_silent_only_when_it_missed_two_looks_in_a_row():
+    judge, quiet = Judge(), {0: Seen(answered=False)}
+    assert judge.silent(quiet) == []  # the first miss: a loaded machine answers late
+    judge.judge(cell(), quiet, now=5.0)
+    assert judge.silent(quiet) == [0]
+    judge.judge(cell(), {0: COMPUTING}, now=10.0)
+    assert judge.silent(quiet) == []
+
+
 def test_ranks_out_of_step_after_a_failed_cell_are_formed_again():
     assert out_of_step({0: 7, 1: 6}, WORLD)
     assert not out_of_step({0: 7, 1: 7}, WORLD)

@@ -74,6 +74,14 @@ def test_a_long_computation_in_a_single_rank_cell_is_left_alone(fault_kernel):
     assert_group_works_and_variables_survived(fault_kernel)
 
 
+def test_a_rank_holding_the_gil_is_named_once_it_misses_two_looks(fault_kernel):
+    res = fault_kernel.execute("%%rank 0\nimport ctypes\nctypes.PyDLL(None).sleep(8)  # keeps the GIL",
+                               timeout=60)
+    assert res.status == "ok"
+    assert "rank 0 (pid" in res.stream("stderr") and "holds the GIL" in res.stream("stderr")
+    assert_group_works_and_variables_survived(fault_kernel)
+
+
 # ------------------------------------------------------------------ 3: a rank dies
 @pytest.mark.parametrize("how,words", [("os._exit(3)", "exited with code 3"),
                                        ("os.kill(os.getpid(), 9)", "killed by SIGKILL")])

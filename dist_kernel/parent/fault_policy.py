@@ -21,8 +21,9 @@ each busy rank waits, the time) and gets back a decision. The rules:
    Five seconds after it, ranks still running the cell's code are left behind so that the cell
    ends; a rank whose code has stopped and that is still formatting its traceback (slow on a
    loaded machine) is waited for, up to half a minute.
-5. **Stopped or silent ranks** (SIGSTOP, a debugger, C code holding the GIL) are named; the
-   group is left alone, since resuming the rank may resume the cell.
+5. **Stopped or silent ranks** (SIGSTOP, a debugger, C code holding the GIL) are named (a silent
+   one once it missed two looks in a row: one miss is a loaded machine); the group is left
+   alone, since resuming the rank may resume the cell.
 6. **Ranks on other machines** (:func:`remote_culprit`). One fault there sets off others: a
    killed agent makes srun SIGTERM the agents on the other nodes; a cancelled job ends srun.
    The kernel collects what it hears for a moment and names the most specific cause: a rank
@@ -136,6 +137,11 @@ class Judge:
 
     def __init__(self) -> None:
         self._since: dict[int, tuple[Seen, float]] = {}  # rank -> (what it was seen doing, since when)
+
+    def silent(self, seen: dict[int, Seen]) -> list[int]:
+        """Ranks that answered neither this look nor the one before (call before :meth:`judge`):
+        only those may be stuck holding the GIL. One missed answer is a loaded machine."""
+        return [r for r, s in seen.items() if not s.answered and r in self._since and not self._since[r][0].answered]
 
     def judge(self, cell: Cell, seen: dict[int, Seen], now: float) -> Verdict:
         for rank, s in seen.items():

@@ -291,8 +291,8 @@ class DistributedKernel(Kernel):
         busy = [r for r in run.busy_ranks if sup.ranks[r].alive]
         places = dict(zip(busy, await asyncio.gather(*(sup.where(r) for r in busy)), strict=True))
         seen = {r: _seen(p) for r, p in places.items()}
-        for r, s in seen.items():
-            if not s.answered and not sup.ranks[r].stopped:
+        for r in run.judge.silent(seen):
+            if not sup.ranks[r].stopped:
                 self._notice(run, f"rank {r} ({sup.ranks[r].where}) does not answer "
                                   f"({state_words(sup.ranks[r].process.os_state())}): it may be stuck in C code "
                                   "that holds the GIL. Press stop to end the cell, or restart the kernel.", key=("silent", r))
