@@ -68,3 +68,10 @@ def test_a_release_with_no_wait_under_way_ends_no_later_wait(endable):
     store.release()
     threading.Timer(0.2, lambda: endable.set("late", b"1")).start()
     assert endable.get("late") == b"1"
+
+
+def test_rank_0s_tcp_store_across_machines_is_wrapped_alike_and_clones():
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    wrapped = store.endable(dist.PrefixStore("gen1", server))
+    wrapped.clone().set("key", b"1")
+    assert wrapped.get("key") == b"1"

@@ -148,7 +148,10 @@ def _store_class() -> type:
             self.inner.multi_set(keys, values)
 
         def clone(self) -> Any:
-            return _kept(EndableStore(self.inner.clone()))
+            try:
+                return _kept(EndableStore(self.inner.clone()))
+            except (RuntimeError, NotImplementedError):  # a FileStore cannot be cloned: share it
+                return self
 
     _classes.append(EndableStore)
     return EndableStore
