@@ -405,7 +405,8 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
                           empty_cache=get("empty_cache"), rich_output=get("rich_output"), launcher=launcher,
                           nodes=nodes, ranks_per_node=per_node, hosts=hosts, slurm_args=slurm_args,
                           listen=listen, port_range=port_range, oversubscribe=get("oversubscribe"))
-    warnings += capacity.check(config, capacity.this_machine() if machine is None else machine)
+    if not remote:  # the nodes' memory and cores cannot be seen from here
+        warnings += capacity.check(config, capacity.this_machine() if machine is None else machine)
     return dataclasses.replace(config, warnings=tuple(warnings))
 
 def _gpu_list(raw: str | None, where: str) -> list[int] | None:

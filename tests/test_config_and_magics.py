@@ -490,3 +490,26 @@ def test_more_ranks_than_this_machine_holds_start_nothing_and_the_kernel_answers
         assert k.rank_pids() == []
     finally:
         k.shutdown()
+
+
+@pytest.mark.slow
+def test_port_range_holds_the_parents_listener_and_rank_0s_rendezvous():
+    """Across machines (the two-node lab of tests/cluster/lab.sh), through ssh."""
+    import psutil
+    from cluster_lab import lab_env
+    from harness import DistKernel
+    from test_cluster import HEAD, SSH_OPTS, kernel_env
+
+    lab = lab_env()
+    lo, hi = 29650, 29659
+    k = DistKernel(*SSH_OPTS, "--port-range", f"{lo}-{hi}", env=kernel_env(lab))
+    try:
+        res = k.execute("import os\nprint(os.environ['MASTER_PORT'])", timeout=240)
+        assert res.status == "ok", res.outputs
+        (master_port,) = set(res.stream().split())  # the same on every rank: shown once
+        assert lo <= int(master_port) <= hi
+        listening = {c.laddr.port for c in psutil.Process(k.pid).net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.ip == HEAD}
+        assert listening and all(lo <= p <= hi for p in listening), listening
+    finally:
+        k.shutdown()
