@@ -315,7 +315,7 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
     """
     env = os.environ if environ is None else environ
     raw = given(ns, env)
-    value = {o.name: None if raw[o.name] is None else o.parse(o.flag, raw[o.name]) for o in OPTIONS}
+    value = {o.name: None if raw[o.name] is None else _parse(o, raw[o.name], ns) for o in OPTIONS}
 
     def get(name: str):  # noqa: ANN202 - the option's own type
         return OPTION[name].default_value() if value[name] is None else value[name]
@@ -408,6 +408,16 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
     if not remote:  # the nodes' memory and cores cannot be seen from here
         warnings += capacity.check(config, capacity.this_machine() if machine is None else machine)
     return dataclasses.replace(config, warnings=tuple(warnings))
+
+def _parse(option: Option, text: str, ns: argparse.Namespace) -> object:
+    """An option's value; an error names the environment variable when the text came from there."""
+    try:
+        return option.parse(option.flag, text)
+    except ConfigError as e:
+        if getattr(ns, option.name, None) in (None, ""):
+            raise ConfigError(f"{option.env}={text!r} in the kernel's environment: {e}") from None
+        raise
+
 
 def _gpu_list(raw: str | None, where: str) -> list[int] | None:
     """--gpus as ids; None when not given, [] for ``none``/``cpu``; an error names ``where``."""

@@ -102,7 +102,8 @@ class TestConfig:
         assert (c.world_size, c.seed, c.empty_cache) == (2, 7, False)
         # ... an empty variable is no value, and a bad one is named like a bad flag
         assert config.resolve(ns(), environ={"DIST_KERNEL_RANKS": ""}, available_gpus=[]).world_size == 2
-        with pytest.raises(ConfigError, match="--timeout 'soon' is not a number"):
+        with pytest.raises(ConfigError, match="DIST_KERNEL_TIMEOUT='soon' in the kernel's environment: "
+                                              "--timeout 'soon' is not a number"):
             config.resolve(ns(), environ={"DIST_KERNEL_TIMEOUT": "soon"}, available_gpus=[])
 
     def test_cuda_visible_devices_limits_gpus_without_torch(self):
