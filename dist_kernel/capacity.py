@@ -13,12 +13,9 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dist_kernel.exceptions import ConfigError
-
-if TYPE_CHECKING:
-    from dist_kernel.options import KernelConfig
 
 #: memory one rank holds of its own (USS) once torch is imported and a gloo group is formed:
 #: 301 MB measured (torch 2.14, CPU, Linux; RSS 740 MB, PSS 374 MB at 2 ranks)
@@ -29,6 +26,16 @@ SHARED_MB = 440
 RANKS_PER_CORE = 4
 
 _CGROUP = "/sys/fs/cgroup"
+
+
+class Ranks(Protocol):
+    """What the check reads of a :class:`~dist_kernel.options.KernelConfig` (which imports this module)."""
+
+    world_size: int
+    oversubscribe: bool
+
+    @property
+    def remote(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,7 @@ def most_ranks(machine: Machine) -> int:
     return max(1, min(by_memory, machine.cores * RANKS_PER_CORE))
 
 
-def check(config: KernelConfig, machine: Machine) -> list[str]:
+def check(config: Ranks, machine: Machine) -> list[str]:
     """Refuse a local rank count ``machine`` cannot hold; warnings when ``oversubscribe`` allows it."""
     n = config.world_size
     if config.remote or n <= most_ranks(machine):
