@@ -413,7 +413,7 @@ def configured():
     from harness import DistKernel
 
     k = DistKernel("--ranks", "2", "--empty-cache", "off", "--timeout", "3", "--hang-grace", "60",
-                   "--port-range", "29500-29509",
+                   "--merge-window-ms", "5000", "--port-range", "29500-29509",
                    env={"DIST_KERNEL_RANKS": "3", "DIST_KERNEL_EMPTY_CACHE": "on", "DIST_KERNEL_SEED": "1234"})
     try:
         first = k.execute("x = 1")
@@ -446,6 +446,14 @@ def test_empty_cache_off_reaches_the_ranks_and_the_command_line_beats_the_enviro
 def test_the_environment_fills_an_option_the_command_line_leaves_out(configured):
     k, _ = configured
     assert k.execute("import torch\nprint(torch.initial_seed())").stream() == "1234\n"  # DIST_KERNEL_SEED, on every rank
+
+
+@pytest.mark.slow
+def test_merge_window_ms_is_how_long_a_line_waits_for_the_same_line_of_the_other_ranks(configured):
+    # rank 1 prints half a second after rank 0: within 5 s the lines merge (with the default
+    # 100 ms they are shown labelled, "[rank 0] same line" and "[rank 1] same line")
+    k, _ = configured
+    assert k.execute("import time\ntime.sleep(0.5 * rank)\nprint('same line')").stream() == "same line\n"
 
 
 @pytest.mark.slow
