@@ -146,8 +146,8 @@ OPTIONS: tuple[Option, ...] = (
            "nodes x ranks per node)", _SUPERVISOR, field="world_size", metavar="N"),
     Option("gpus", verbatim, None, "comma list of physical GPU ids, rank i on the i-th (slurm/ssh: ids on "
            "each node, local rank i on the i-th)", "dist_kernel.parent.launcher", metavar="LIST"),
-    Option("backend", choice(*BACKENDS), None, "default: nccl when GPUs are used, else gloo", _SUPERVISOR,
-           metavar="gloo|nccl"),
+    Option("backend", choice(*BACKENDS), None, "torch.distributed backend (default: nccl when GPUs are "
+           "used, else gloo)", _SUPERVISOR, metavar="gloo|nccl"),
     Option("timeout", positive, "1800", "collective timeout in seconds (default {default})", _SUPERVISOR,
            metavar="S"),
     Option("startup_timeout", positive, "120", "seconds for ranks to start and form the group "
