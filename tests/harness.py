@@ -145,3 +145,19 @@ def end_process_tree(proc: subprocess.Popen) -> None:
             with contextlib.suppress(psutil.Error):
                 p.kill()
     proc.wait()
+
+
+# ------------------------------------------------------------ faults (test_faults, test_group_*)
+GROUP_SETUP = "import torch, torch.distributed as dist, os, time\nkept = 100 + rank"
+
+
+def error_of(res: Result) -> dict:
+    """The one error output of a cell."""
+    (err,) = res.of_type("error")
+    return err.content
+
+
+def assert_group_works_and_variables_survived(k: DistKernel) -> None:
+    res = k.execute("t = torch.ones(1)\ndist.all_reduce(t)\nprint(int(t.item()), kept)", timeout=30)
+    assert res.stream() == "[rank 0] 2 100\n[rank 1] 2 101\n", res.outputs
+

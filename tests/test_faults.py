@@ -15,7 +15,7 @@ import time
 
 import psutil
 import pytest
-from harness import DistKernel
+from harness import GROUP_SETUP, DistKernel, assert_group_works_and_variables_survived, error_of
 
 pytestmark = pytest.mark.slow
 
@@ -23,19 +23,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def fault_kernel():
     k = DistKernel("--ranks", "2", "--hang-grace", "2")
-    k.execute("import torch, torch.distributed as dist, os, time\nkept = 100 + rank")
+    k.execute(GROUP_SETUP)
     yield k
     k.shutdown()
-
-
-def error_of(res):
-    (err,) = res.of_type("error")
-    return err.content
-
-
-def assert_group_works_and_variables_survived(k: DistKernel) -> None:
-    res = k.execute("t = torch.ones(1)\ndist.all_reduce(t)\nprint(int(t.item()), kept)", timeout=30)
-    assert res.stream() == "[rank 0] 2 100\n[rank 1] 2 101\n"
 
 
 # ------------------------------------------------------------------ 1, 2: collectives

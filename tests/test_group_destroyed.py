@@ -10,19 +10,11 @@ real ipykernel ranks, real gloo.
 from __future__ import annotations
 
 import pytest
-from harness import DistKernel
+from harness import DistKernel, assert_group_works_and_variables_survived
 
 pytestmark = pytest.mark.slow
 
 ALL_REDUCE = "t = torch.ones(1)\ndist.all_reduce(t)\nprint(int(t.item()), kept)"
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    k = DistKernel("--ranks", "2", "--hang-grace", "2")
-    k.execute("import torch, torch.distributed as dist\nkept = 100 + rank")
-    yield k
-    k.shutdown()
 
 
 def group_column(k: DistKernel) -> list[str]:
@@ -32,32 +24,27 @@ def group_column(k: DistKernel) -> list[str]:
     return [row[at:].split()[0] for row in rows]
 
 
-def assert_group_works_and_variables_survived(k: DistKernel) -> None:
-    res = k.execute(ALL_REDUCE, timeout=30)
-    assert res.status == "ok" and res.stream() == "[rank 0] 2 100\n[rank 1] 2 101\n", res.outputs
-
-
-def test_destroyed_on_every_rank_it_stays_down_says_how_to_get_it_back_and_init_by_hand_works(kernel):
-    res = kernel.execute("dist.destroy_process_group()", timeout=30)
+def test_destroyed_on_every_rank_it_stays_down_says_how_to_get_it_back_and_init_by_hand_works(group_kernel):
+    res = group_kernel.execute("dist.destroy_process_group()", timeout=30)
     assert res.status == "ok"
     said = res.stream("stderr")
     assert "process group is down" in said and 'dist.init_process_group("gloo")' in said, said
-    assert group_column(kernel) == ["down", "down"]
-    res = kernel.execute(ALL_REDUCE, timeout=30)  # torch's own error, as in a plain script
+    assert group_column(group_kernel) == ["down", "down"]
+    res = group_kernel.execute(ALL_REDUCE, timeout=30)  # torch's own error, as in a plain script
     assert res.status == "error" and "ValueError" in res.of_type("error")[0].content["ename"]
-    res = kernel.execute(f'dist.init_process_group("gloo")\n{ALL_REDUCE}', timeout=60)
+    res = group_kernel.execute(f'dist.init_process_group("gloo")\n{ALL_REDUCE}', timeout=60)
     assert res.status == "ok" and res.stream() == "[rank 0] 2 100\n[rank 1] 2 101\n", res.outputs
-    assert group_column(kernel) == ["up", "up"]
+    assert group_column(group_kernel) == ["up", "up"]
 
 
-def test_a_group_initialised_by_hand_is_re_formed_after_a_fault_like_the_kernels_own(kernel):
-    res = kernel.execute("%%rank 0\nt = torch.ones(1)\ndist.all_reduce(t)", timeout=30)
+def test_a_group_initialised_by_hand_is_re_formed_after_a_fault_like_the_kernels_own(group_kernel):
+    res = group_kernel.execute("%%rank 0\nt = torch.ones(1)\ndist.all_reduce(t)", timeout=30)
     assert res.of_type("error")[0].content["ename"] == "CollectiveHangError"
-    assert_group_works_and_variables_survived(kernel)
+    assert_group_works_and_variables_survived(group_kernel)
 
 
-def test_destroyed_on_some_ranks_the_group_is_re_formed(kernel):
-    res = kernel.execute("%%rank 1\ndist.destroy_process_group()", timeout=30)
+def test_destroyed_on_some_ranks_the_group_is_re_formed(group_kernel):
+    res = group_kernel.execute("%%rank 1\ndist.destroy_process_group()", timeout=30)
     assert "re-formed" in res.stream("stderr"), res.outputs
-    assert group_column(kernel) == ["up", "up"]
-    assert_group_works_and_variables_survived(kernel)
+    assert group_column(group_kernel) == ["up", "up"]
+    assert_group_works_and_variables_survived(group_kernel)
