@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import psutil
 import pytest
-from harness import DistKernel
+from harness import DistKernel, own_session
 from jupyter_client import KernelManager
 
 from dist_kernel.runner import spec_manager
@@ -56,7 +56,7 @@ class Kernel(DistKernel):
         self.replies: dict[str, dict] = {}
         self.t0 = time.monotonic()
         self.km.start_kernel(**({"extra_arguments": extra_arguments} if extra_arguments else {}))
-        self.kc = self.km.client()
+        self.kc = own_session(self.km.client())
         self.kc.start_channels()
         self.remember()
 
