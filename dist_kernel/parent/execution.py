@@ -16,18 +16,15 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from dist_kernel.parent import fault_policy
+from dist_kernel.parent.comms import COMM_TYPES, OUTPUT_TYPES
 from dist_kernel.parent.merge import CellMerger, DisplayRegistry, error_content, merge_errors
 from dist_kernel.parent.throttle import OutputBudget, StreamThrottle
 
-#: IOPub message types that are cell outputs and go through the merger
-OUTPUT_TYPES = {"stream", "display_data", "execute_result", "update_display_data", "clear_output", "error"}
 #: how often held output is looked at while a cell runs
 TICK = 0.05
 #: ready output is published at once, but at most once per MIN_FLUSH (keeps the message rate low)
 MIN_FLUSH = 0.01
 
-#: comm messages (widgets) from the ranks go straight to the frontend, in order with outputs
-COMM_TYPES = {"comm_open", "comm_msg", "comm_close"}
 #: the merger's name for a comm message it keeps in order with the outputs
 IN_ORDER = "dist_kernel.in_order"
 #: a rank whose reply came but whose ``idle`` did not, and that sent nothing for this long,

@@ -14,7 +14,6 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from datetime import datetime
 from typing import Any
 
@@ -27,17 +26,15 @@ from dist_kernel.iopub import UnboundedIOPubApp
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent import fault_policy
 from dist_kernel.parent.comms import CommRouter
-from dist_kernel.parent.execution import OUTPUT_TYPES, CellRun
+from dist_kernel.parent.execution import CellRun
 from dist_kernel.parent.launcher import state_words
 from dist_kernel.parent.magics import format_ranks, plan_cell
-from dist_kernel.parent.merge import DisplayRegistry, error_content, label_lines
+from dist_kernel.parent.merge import DisplayRegistry, error_content
+from dist_kernel.parent.ranks import Ranks, SupervisedRanks
 from dist_kernel.parent.status import status_bundle
 from dist_kernel.parent.stdin import InputBroker
 from dist_kernel.parent.supervisor import RankSupervisor
 from dist_kernel.parent.throttle import OutputBudget
-
-#: how many finished requests' listeners are kept, to place late output (background threads)
-_RECENT = 64
 
 
 class DistributedKernel(Kernel):
@@ -69,10 +66,10 @@ class DistributedKernel(Kernel):
         self._main_loop: asyncio.AbstractEventLoop | None = None
         self._current: CellRun | None = None
         self._stdin: InputBroker | None = None
-        self.comms = CommRouter()
+        self.ranks: Ranks | None = None  # the ranks' seam (SupervisedRanks over self.supervisor)
+        self.comms = CommRouter(self._publish)
         self._output_budget = OutputBudget()  # replaced in start(): spill files in the runtime dir
         self._displays = DisplayRegistry()  # display ids live across cells
-        self._listening: deque[tuple[int, str]] = deque()  # (rank, msg_id) of recent requests
         self._start_interrupted = asyncio.Event()  # the stop button while the ranks start
         self._waiting: dict | None = None  # the request of a cell waiting for the ranks to start
         self._start_notes: list[str] = []  # what the launcher said while the ranks start (the Slurm queue)
@@ -108,9 +105,10 @@ class DistributedKernel(Kernel):
         cfg = self.dist_config
         if isinstance(cfg, KernelConfig):
             self.output_policy = cfg.rich_output
-            self.supervisor = RankSupervisor(cfg, self._on_unrouted, self._on_rank_death, log=self.log,
+            self.supervisor = RankSupervisor(cfg, self.comms.on_unrouted, self._on_rank_death, log=self.log,
                                              on_stdin=self._on_rank_stdin, on_stopped=self._on_rank_stopped,
                                              extra_argv=self.extra_argv, on_note=self._on_start_note)
+            self.ranks = SupervisedRanks(self.supervisor)
             atexit.register(self.supervisor.cleanup_sync)
             # one output budget for the kernel's life (late output of background threads
             # counts too); spill files live in the private runtime dir, removed at shutdown
@@ -218,7 +216,7 @@ class DistributedKernel(Kernel):
         run = CellRun(plan.ranks, lambda t, c: self._publish(parent, t, c), self.execution_count,
                       world=range(cfg.world_size), window=cfg.merge_window, on_look=self._look,
                       hang_grace=cfg.hang_grace, rich_from=plan.ranks[0] if self.output_policy == "rank0" else None,
-                      on_comm=lambda rank, msg: self._relay_comm(rank, msg, parent),
+                      on_comm=lambda rank, msg: self.comms.relay(rank, msg, parent),
                       dead=lambda: [r for r, rk in sup.ranks.items() if not rk.alive],
                       budget=self._output_budget, displays=self._displays)
         run.parent = parent
@@ -241,7 +239,7 @@ class DistributedKernel(Kernel):
                 continue
             run.child_ids[rank] = msg_id
             self.comms.sent(msg_id, parent["header"]["msg_id"])
-            self._listen(rank, msg_id, lambda msg, rank=rank: run.on_iopub(rank, msg))
+            self.ranks.listen(rank, msg_id, lambda msg, rank=rank: run.on_iopub(rank, msg))
             fut.add_done_callback(lambda f, rank=rank: self._on_reply(run, rank, f))
             if sup.ranks[rank].stopped:
                 self._notice_stopped(run, rank)
@@ -268,18 +266,6 @@ class DistributedKernel(Kernel):
                 "user_expressions": reply0.get("user_expressions", {}),
                 # payloads (pager, set_next_input) from one rank only, or the frontend acts N times
                 "payload": payload}
-
-    def _listen(self, rank: int, msg_id: str, handler: Any) -> None:
-        """Route a request's IOPub messages to ``handler``; the last ``_RECENT`` stay routed, so
-        output a background thread prints after its cell ended still finds its place."""
-        assert self.supervisor is not None
-        self.supervisor.channel(rank).listen(msg_id, handler)
-        self._listening.append((rank, msg_id))
-        while len(self._listening) > _RECENT * max(1, self.supervisor.config.world_size):
-            old_rank, old_id = self._listening.popleft()
-            r = self.supervisor.ranks.get(old_rank)
-            if r is not None and r.channel is not None:
-                r.channel.unlisten(old_id)
 
     # ------------------------------------------------------------- faults
     async def _look(self, run: CellRun) -> None:
@@ -414,31 +400,7 @@ class DistributedKernel(Kernel):
         run.flush(force=True)
         self._publish(run.parent, "stream", {"name": "stderr", "text": f"[dist_kernel] {text}\n"})
 
-    # -------------------------------------------------------------- output
-    def _on_unrouted(self, rank: int, msg: dict) -> None:
-        """IOPub messages no request listens for: dropped (statuses), or comms."""
-        msg_type = msg["header"]["msg_type"]
-        if msg_type in ("comm_open", "comm_msg", "comm_close"):
-            self._relay_comm(rank, msg, {})
-
-    def _relay_comm(self, rank: int, msg: dict, parent: dict) -> None:
-        # comms bypass merging: the frontend needs comm_open before the widget's display;
-        # message metadata carries the widget protocol version, buffers carry binary state
-        msg_type = msg["header"]["msg_type"]
-        content = self.comms.from_rank(msg_type, msg["content"], rank)
-        self._publish(parent, msg_type, content, msg.get("metadata"), msg.get("buffers"))
-
-    def _on_comm_output(self, rank: int, parent: dict, msg: dict) -> None:
-        """Output of a comm callback (a widget's on_click): labelled with its rank."""
-        msg_type = msg["header"]["msg_type"]
-        if msg_type in ("comm_open", "comm_msg", "comm_close"):
-            self._relay_comm(rank, msg, parent)
-        elif msg_type in OUTPUT_TYPES:
-            content = msg["content"]
-            if msg_type == "stream" and self.supervisor and self.supervisor.config.world_size > 1:
-                content = dict(content, text=label_lines(content.get("text", ""), [rank]))
-            self._publish(parent, msg_type, content)
-
+    # -------------------------------------------------------------- stdin
     def _on_rank_stdin(self, rank: int, msg: dict) -> None:
         broker = self._stdin
         content = msg["content"]
@@ -454,50 +416,18 @@ class DistributedKernel(Kernel):
 
     # -------------------------------------------------------------- comms
     async def comm_open(self, stream: Any, ident: Any, parent: dict) -> None:
-        self._route_comm(parent)
+        self.comms.forward(self.ranks, parent)
 
     async def comm_msg(self, stream: Any, ident: Any, parent: dict) -> None:
-        self._route_comm(parent)
+        self.comms.forward(self.ranks, parent)
 
     async def comm_close(self, stream: Any, ident: Any, parent: dict) -> None:
-        self._route_comm(parent)
-
-    def _route_comm(self, parent: dict) -> None:
-        """A frontend comm message goes to the rank that owns the comm (rank 0 for new ones)."""
-        asyncio.ensure_future(self._forward_comm(parent))
-
-    async def _forward_comm(self, parent: dict) -> None:
-        sup = self.supervisor
-        if sup is None:
-            return
-        await sup.ready.wait()  # in a task: never delays other requests
-        if sup.start_error:
-            return
-        msg_type = parent["header"]["msg_type"]
-        content = parent["content"]
-        rank = self.comms.rank_for(content.get("comm_id"))
-        self.comms.track(msg_type, content.get("comm_id"), rank)
-        try:
-            msg_id, _ = sup.channel(rank).send(msg_type, content, metadata=parent.get("metadata"),
-                                               expect_reply=False, buffers=parent.get("buffers"))
-        except RankDiedError:
-            return
-        self._listen(rank, msg_id, lambda msg: self._on_comm_output(rank, parent, msg))
+        self.comms.forward(self.ranks, parent)
 
     async def comm_info_request(self, stream: Any, ident: Any, parent: dict) -> None:
         """The comms of every rank, merged."""
-        comms: dict[str, dict] = {}
-        sup = self.supervisor
-        if sup is not None and sup.ready.is_set() and not sup.start_error:
-            live = sup.live_ranks()
-            replies = await asyncio.gather(*(sup.channel(r).shell_request("comm_info_request", parent["content"], 5)
-                                             for r in live), return_exceptions=True)
-            for rank, reply in zip(live, replies, strict=True):
-                if isinstance(reply, dict):
-                    for comm_id, info in reply.get("comms", {}).items():
-                        comms[comm_id] = info
-                        self.comms.owner.setdefault(comm_id, rank)
-        self.session.send(stream, "comm_info_reply", {"status": "ok", "comms": comms}, parent, ident=ident)
+        reply = await self.comms.info(self.ranks, parent["content"])
+        self.session.send(stream, "comm_info_reply", reply, parent, ident=ident)
 
     # -------------------------------------------------------------- magics
     async def _run_parent_magics(self, parent: dict, magics: tuple[tuple[str, str], ...]) -> dict | None:
