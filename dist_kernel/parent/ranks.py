@@ -85,6 +85,9 @@ class Ranks(CellRanks, Protocol):
     def live(self) -> list[int]:
         """The ranks whose process is still there."""
 
+    def exit_reason(self, rank: int) -> str:
+        """How a gone rank ended, in words ("" while it runs)."""
+
     async def shell_request(self, rank: int, msg_type: str, content: dict, timeout: float = 10.0) -> dict:
         """One shell round trip (completion, inspection, comm_info); the reply content."""
 
@@ -184,6 +187,10 @@ class SupervisedRanks:
     def alive(self, rank: int) -> bool:
         r = self.sup.ranks.get(rank)
         return r is not None and r.alive
+
+    def exit_reason(self, rank: int) -> str:
+        r = self.sup.ranks.get(rank)
+        return (r.exit_reason or "") if r is not None else "did not start"
 
     def stopped(self, rank: int) -> str:
         r = self.sup.ranks.get(rank)
