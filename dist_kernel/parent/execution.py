@@ -25,11 +25,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dist_kernel.exceptions import RankDiedError
+from dist_kernel import protocol
+from dist_kernel.exceptions import ErrorName, RankDiedError, RankStoppedError, error_content
 from dist_kernel.parent import fault_policy
 from dist_kernel.parent.comms import COMM_TYPES, OUTPUT_TYPES
 from dist_kernel.parent.magics import format_ranks
-from dist_kernel.parent.merge import CellMerger, DisplayRegistry, error_content, merge_errors
+from dist_kernel.parent.merge import CellMerger, DisplayRegistry, merge_errors
 from dist_kernel.parent.throttle import OutputBudget, StreamThrottle
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ class CellRun:
             try:
                 msg_id, fut = self.via.send(rank, "execute_request", content, metadata=metadata)
             except RankDiedError as e:
-                self.on_rank_lost(rank, "RankDiedError", str(e))
+                self.on_rank_lost(rank, RankDiedError, str(e))
                 continue
             sent.append(msg_id)
             self.via.listen(rank, msg_id, lambda msg, rank=rank: self.on_iopub(rank, msg))
@@ -149,7 +150,7 @@ class CellRun:
             return
         exc = fut.exception()
         if exc is not None:
-            self.on_rank_lost(rank, "RankDiedError", str(exc),
+            self.on_rank_lost(rank, RankDiedError, str(exc),
                               "Restart the kernel to start fresh ranks (the group cannot continue without it).")
             return
         msg = fut.result()
@@ -194,7 +195,7 @@ class CellRun:
                 self.flush()  # publish at once, but not more often than MIN_FLUSH
 
     def on_reply(self, rank: int, content: dict, metadata: dict | None = None) -> None:
-        published = ((metadata or {}).get("dist_kernel") or {}).get("iopub")
+        published = protocol.meta_of(metadata).get(protocol.META_IOPUB)
         if isinstance(published, int) and not isinstance(published, bool):
             self._expected[rank] = published
         self.replies[rank] = content
@@ -202,7 +203,7 @@ class CellRun:
         self.merger.rank_replied(rank, content, self.clock())
         self._check(rank)
 
-    def on_rank_lost(self, rank: int, ename: str, evalue: str, hint: str = "") -> None:
+    def on_rank_lost(self, rank: int, ename: ErrorName, evalue: str, hint: str = "") -> None:
         """A rank will never answer (it died): end its part of the cell with an error."""
         if rank in self.finished or rank not in self.ranks:
             return
@@ -288,7 +289,7 @@ class CellRun:
         if not done.done():
             self._timer = loop.call_later(TICK, self._tick, loop)
 
-    def mark_stuck(self, rank: int, ename: str, evalue: str, lines: list[str]) -> None:
+    def mark_stuck(self, rank: int, ename: ErrorName, evalue: str, lines: list[str]) -> None:
         """Record why a rank is being unblocked; this becomes its error for the cell."""
         self.merger.errors[rank] = error_content(ename, evalue, lines)
 
@@ -357,7 +358,7 @@ class CellRun:
             await via.interrupt(list(verdict.stuck))
             await asyncio.sleep(fault_policy.STOP_TIMEOUT)
             for r in self.busy_ranks:
-                self.on_rank_lost(r, "RankDiedError", verdict.stuck.get(r, f"rank {r} did not stop"))
+                self.on_rank_lost(r, RankDiedError, verdict.stuck.get(r, f"rank {r} did not stop"))
         elif verdict.action == "teardown":
             log.warning("ranks %s stuck in collectives; tearing down the group", list(verdict.stuck))
             self.group_broken = True
@@ -377,7 +378,7 @@ class CellRun:
         stopped = [r for r in self.busy_ranks if via.stopped(r)]
         for r in stopped:
             pid = via.pid(r)
-            self.on_rank_lost(r, "RankStoppedError",
+            self.on_rank_lost(r, RankStoppedError,
                               f"rank {r} (pid {pid}) is {via.stopped(r)}; resume it with "
                               f"`kill -CONT {pid}` (it then sees the interrupt) or restart the kernel")
             self.group.left_running.add(r)
@@ -388,7 +389,7 @@ class CellRun:
         via = self.via
         tail = via.log_tail(rank, 15) if via is not None else ""
         where = via.describe(rank) if via is not None else "pid ?"
-        self.on_rank_lost(rank, "RankDiedError", f"rank {rank} ({where}) {reason}",
+        self.on_rank_lost(rank, RankDiedError, f"rank {rank} ({where}) {reason}",
                           (f"Last output of the rank process:\n{tail}\n" if tail.strip() else "")
                           + RESTART_FOR_FRESH)
 
@@ -425,7 +426,7 @@ class CellRun:
 
     def group_broke(self) -> bool:
         """Did a rank report that its process group broke during the cell?"""
-        return any((meta.get("dist_kernel") or {}).get("group_broken") for meta in self.reply_metadata.values())
+        return any(protocol.meta_of(meta).get(protocol.META_GROUP_BROKEN) for meta in self.reply_metadata.values())
 
     async def _recover_group(self) -> None:
         """After a torn-down or broken group, form a fresh one on every rank (policy: after_cell)."""

@@ -21,19 +21,28 @@ from ipykernel.kernelbase import Kernel
 from traitlets import Any as AnyTrait
 
 from dist_kernel import __version__
-from dist_kernel.exceptions import ConfigError, RankSpecError
+from dist_kernel.exceptions import (
+    ConfigError,
+    RankDiedError,
+    RankRequestError,
+    RankSpecError,
+    RankStartError,
+    UsageError,
+    error_content,
+)
 from dist_kernel.iopub import UnboundedIOPubApp
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.comms import CommRouter
 from dist_kernel.parent.execution import CellRun, GroupState
 from dist_kernel.parent.held import HeldBusy
 from dist_kernel.parent.magics import format_ranks, plan_cell
-from dist_kernel.parent.merge import DisplayRegistry, error_content
+from dist_kernel.parent.merge import DisplayRegistry
 from dist_kernel.parent.ranks import Ranks, SupervisedRanks
 from dist_kernel.parent.status import status_bundle
 from dist_kernel.parent.stdin import InputBroker
 from dist_kernel.parent.supervisor import RankSupervisor
 from dist_kernel.parent.throttle import OutputBudget
+from dist_kernel.protocol import META_RANKS, with_meta
 
 
 class DistributedKernel(Kernel):
@@ -140,10 +149,10 @@ class DistributedKernel(Kernel):
         """Wait for the ranks; the error to show if the kernel cannot run cells."""
         cfg = self.dist_config
         if isinstance(cfg, ConfigError):
-            return error_content("ConfigError", str(cfg))
+            return error_content(ConfigError, str(cfg))
         ranks = self.ranks
         if ranks is None:
-            return error_content("ConfigError", "the kernel has no configuration")
+            return error_content(ConfigError, "the kernel has no configuration")
         if not ranks.ready.is_set():
             # the stop button while the ranks start ends this cell, never a starting rank
             self._start_interrupted.clear()
@@ -157,15 +166,15 @@ class DistributedKernel(Kernel):
                 task.cancel()
             self._waiting = None
             if not ranks.ready.is_set():
-                return error_content("KeyboardInterrupt", "interrupted while the ranks were starting; they "
+                return error_content(KeyboardInterrupt, "interrupted while the ranks were starting; they "
                                      "go on starting, and the next cell runs on them")
         if ranks.start_error:
-            return error_content("RankStartError", ranks.start_error)
+            return error_content(RankStartError, ranks.start_error)
         dead = [r for r in range(ranks.config.world_size) if not ranks.alive(r)]
         if dead:
             what = "; ".join(f"rank {r} ({ranks.describe(r)}) {ranks.exit_reason(r)}" for r in dead)
             return error_content(
-                "RankDiedError", what,
+                RankDiedError, what,
                 ["The process group cannot continue without it. Restart the kernel "
                  "(Kernel > Restart) to start fresh ranks; variables are lost."])
         return None
@@ -199,7 +208,7 @@ class DistributedKernel(Kernel):
         try:
             plan = plan_cell(code, cfg.world_size)
         except RankSpecError as e:
-            return self._fail(parent, error_content("RankSpecError", str(e)), silent)
+            return self._fail(parent, error_content(RankSpecError, str(e)), silent)
         if plan.magics:
             self._held.release()
             err = await self._run_parent_magics(parent, plan.magics)
@@ -223,7 +232,7 @@ class DistributedKernel(Kernel):
                    "stop_on_error": False}
         # the cell's ranks travel along: rank-side code (fastai's show_batch) shows what one
         # process would show once, from the cell's first rank
-        meta = {"dist_kernel": {"ranks": list(plan.ranks)}, **({"cellId": cell_id} if cell_id else {})}
+        meta = with_meta({"cellId": cell_id} if cell_id else {}, {META_RANKS: list(plan.ranks)})
         ident = self._get_shell_context_var(self._shell_parent_ident)
         self._stdin = InputBroker(lambda prompt, pw: self._ask_frontend(prompt, pw, ident, parent),
                                   ranks.reply_input) if allow_stdin else None
@@ -318,16 +327,16 @@ class DistributedKernel(Kernel):
                 self._publish(parent, "display_data", status_bundle(table, sup.config))
             elif name == "dist_output":
                 if arg not in ("all", "rank0"):
-                    return error_content("UsageError", f"%dist_output {arg!r}: use `%dist_output all` "
+                    return error_content(UsageError, f"%dist_output {arg!r}: use `%dist_output all` "
                                           "(rich output from every rank, merged) or `%dist_output rank0`.")
                 self.output_policy = arg
                 self._publish(parent, "stream", {"name": "stdout", "text": f"rich output from: {arg}\n"})
             elif name == "dist_empty_cache":
                 if arg not in ("on", "off"):
-                    return error_content("UsageError", f"%dist_empty_cache {arg!r}: use on or off.")
+                    return error_content(UsageError, f"%dist_empty_cache {arg!r}: use on or off.")
                 missing = await sup.set_option("empty_cache", arg == "on")
                 if missing:
-                    return error_content("RankRequestError", f"rank {format_ranks(missing)} did not confirm "
+                    return error_content(RankRequestError, f"rank {format_ranks(missing)} did not confirm "
                                          "%dist_empty_cache; run it again, or restart the kernel.")
                 self._publish(parent, "stream", {"name": "stdout", "text": f"empty_cache after each cell: {arg}\n"})
         return None
