@@ -34,6 +34,14 @@ def run(test):
     return go
 
 
+async def running(fe, ranks, code: str = "while True: pass"):
+    """Send a cell that keeps every rank busy; its request and the task that ends with its reply."""
+    msg = fe.execute_request(code)
+    task = asyncio.ensure_future(fe.send_shell(msg))
+    await ranks.running(ranks.config.world_size)
+    return msg, task
+
+
 def msg_types(cell) -> list[str]:
     return [m["msg_type"] for m in cell.messages]
 
@@ -121,9 +129,7 @@ def test_after_an_error_the_requests_already_queued_are_aborted_and_a_later_one_
 # ------------------------------------------------------------------- interrupt
 def test_the_stop_button_interrupts_the_busy_ranks_and_the_cell_ends_with_one_keyboard_interrupt():
     async def test(fe, ranks):
-        msg = fe.execute_request("while True: pass")
-        task = asyncio.ensure_future(fe.send_shell(msg))
-        await ranks.running(2)
+        msg, task = await running(fe, ranks)
         reply = await fe.send_control(fe.request("interrupt_request", {}))
         assert reply["content"]["status"] == "ok"
         await task
@@ -138,9 +144,7 @@ def test_the_stop_button_interrupts_the_busy_ranks_and_the_cell_ends_with_one_ke
 def test_a_stop_pressed_before_a_cell_was_sent_does_not_hit_it():
     async def test(fe, ranks):
         pressed = fe.request("interrupt_request", {})  # dated before the cell below
-        msg = fe.execute_request("while True: pass")
-        task = asyncio.ensure_future(fe.send_shell(msg))
-        await ranks.running(2)
+        msg, task = await running(fe, ranks)
         await fe.send_control(pressed)
         assert ranks.signalled == []
         await fe.send_control(fe.request("interrupt_request", {}))
@@ -152,9 +156,7 @@ def test_a_stop_pressed_before_a_cell_was_sent_does_not_hit_it():
 
 def test_a_stopped_rank_is_named_and_the_stop_button_ends_the_cell_without_it():
     async def test(fe, ranks):
-        msg = fe.execute_request("while True: pass")
-        task = asyncio.ensure_future(fe.send_shell(msg))
-        await ranks.running(2)
+        msg, task = await running(fe, ranks)
         ranks.stop(1)
         await asyncio.sleep(0.02)
         notice = "".join(m["content"].get("text", "") for m in fe.published(msg))
@@ -164,6 +166,7 @@ def test_a_stopped_rank_is_named_and_the_stop_button_ends_the_cell_without_it():
         cell = fe.collect(msg)
         assert cell.status == "error" and "RankStoppedError" in "".join(cell.errors[0]["traceback"])
         assert fe.kernel.group.left_running == {1}
+        assert sorted(ranks.signalled) == [0, 1]  # the stopped rank too: it sees the signal once resumed
 
     run(test)(lambda rank, code: Act(runs=True))
 
@@ -171,14 +174,12 @@ def test_a_stopped_rank_is_named_and_the_stop_button_ends_the_cell_without_it():
 # ---------------------------------------------------------------------- faults
 def test_a_rank_that_dies_mid_cell_ends_the_cell_with_its_last_words_and_later_cells_say_restart():
     async def test(fe, ranks):
-        msg = fe.execute_request("while True: pass")
-        task = asyncio.ensure_future(fe.send_shell(msg))
-        await ranks.running(2)
+        msg, task = await running(fe, ranks)
         ranks.die(1)
-        await ranks.interrupt([0])  # the fault policy stops the survivor
-        await task
+        await task  # the fault policy stops the survivor: it cannot finish without its peer
         cell = fe.collect(msg)
         text = "".join(cell.errors[0]["traceback"])
+        assert ranks.signalled == [0]
         assert cell.status == "error" and "RankDiedError" in text and "rank 1's last words" in text
         later = await fe.execute("x = 1")
         assert later.reply["content"]["ename"] == "RankDiedError" and "Restart the kernel" in "".join(
