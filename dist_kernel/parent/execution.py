@@ -91,7 +91,7 @@ class CellRun:
         self.parent = parent or {}  # the frontend request
         self.group = group if group is not None else GroupState()
         self.reform_timeout = reform_timeout
-        self._raw_publish = publish  # kernel notices: outside the output budget, as before
+        self._raw_publish = publish  # kernel notices bypass the output budget
         # budget and displays: the kernel's, so the output cap and display ids span its lifetime
         self.throttle = StreamThrottle(publish, budget=budget)
         self.publish = self.throttle.publish
