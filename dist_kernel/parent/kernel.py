@@ -184,7 +184,8 @@ class DistributedKernel(Kernel):
                  buffers: list | None = None) -> None:
         # explicit parent: relayed output is published from tasks outside the handler context;
         # re-signed with the parent's session (frontends ignore a foreign header.session)
-        self._held.release()
+        if self._held:  # without taking its lock: this runs for every output
+            self._held.release()
         self.session.send(self.iopub_socket, msg_type, content, parent=parent, ident=self._topic(msg_type),
                           metadata=metadata, buffers=buffers)
 
@@ -319,12 +320,12 @@ class DistributedKernel(Kernel):
 
     # -------------------------------------------------------------- magics
     async def _run_parent_magics(self, parent: dict, magics: tuple[tuple[str, str], ...]) -> dict | None:
-        sup = self.ranks
-        assert sup is not None
+        ranks = self.ranks
+        assert ranks is not None
         for name, arg in magics:
             if name == "dist_status":
-                table = await sup.status()
-                self._publish(parent, "display_data", status_bundle(table, sup.config))
+                table = await ranks.status()
+                self._publish(parent, "display_data", status_bundle(table, ranks.config))
             elif name == "dist_output":
                 if arg not in ("all", "rank0"):
                     return error_content(UsageError, f"%dist_output {arg!r}: use `%dist_output all` "
@@ -334,7 +335,7 @@ class DistributedKernel(Kernel):
             elif name == "dist_empty_cache":
                 if arg not in ("on", "off"):
                     return error_content(UsageError, f"%dist_empty_cache {arg!r}: use on or off.")
-                missing = await sup.set_option("empty_cache", arg == "on")
+                missing = await ranks.set_option("empty_cache", arg == "on")
                 if missing:
                     return error_content(RankRequestError, f"rank {format_ranks(missing)} did not confirm "
                                          "%dist_empty_cache; run it again, or restart the kernel.")
@@ -450,18 +451,18 @@ class DistributedKernel(Kernel):
 
         The ``%%rank`` line is blanked to the same length, so cursor offsets stay valid.
         """
-        sup = self.ranks
-        if sup is None or not sup.ready.is_set() or sup.start_error:
+        ranks = self.ranks
+        if ranks is None or not ranks.ready.is_set() or ranks.start_error:
             return fallback
         rank = 0
         if "code" in content:
             try:
-                plan = plan_cell(content["code"], sup.config.world_size)
+                plan = plan_cell(content["code"], ranks.config.world_size)
                 rank, content = plan.ranks[0], dict(content, code=plan.code)
             except RankSpecError:
                 pass
         try:
-            return await sup.shell_request(rank, msg_type, content)
+            return await ranks.shell_request(rank, msg_type, content)
         except Exception:  # noqa: BLE001 - a dead or busy rank: answer without it
             return fallback
 
