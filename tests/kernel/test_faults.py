@@ -106,20 +106,18 @@ def test_interrupt_while_a_rank_is_blocked_in_a_collective_returns(fault_kernel)
 
 
 # ------------------------------------------------------------------ 5, 6: lifecycle
-def runtime_dirs(*parents: int) -> set[str]:
-    """The runtime dirs of these parent kernels (named ``dist_kernel-<parent pid>-...``): other
-    kernels on the machine (other test runs) come and go meanwhile."""
-    tmp = os.environ.get("TMPDIR", "/tmp")
-    return {d for pid in parents for d in glob.glob(os.path.join(tmp, f"dist_kernel-{pid}-*"))}
+def runtime_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), "dist_kernel-*")))
 
 
 def test_killing_the_parent_ends_every_rank_and_leaves_no_files_or_ports():
+    before = runtime_dirs()
     k = DistKernel("--ranks", "2")
     k.execute("import torch.distributed as dist")
     ranks = [psutil.Process(p) for p in k.rank_pids()]
     family = psutil.Process(k.pid).children(recursive=True)  # ranks and the reaper
     ports = {c.laddr.port for r in ranks for c in r.net_connections("inet") if c.status == psutil.CONN_LISTEN}
-    mine = runtime_dirs(k.pid)
+    mine = runtime_dirs() - before
     assert len(ranks) == 2 and len(mine) == 1
     os.kill(k.pid, signal.SIGKILL)
     _, alive = psutil.wait_procs(family, timeout=5)
@@ -135,10 +133,11 @@ def test_killing_the_parent_ends_every_rank_and_leaves_no_files_or_ports():
 def test_killing_the_parent_ends_ranks_stuck_in_c_code_holding_the_gil():
     # A rank blocked in C code that holds the GIL (a CUDA sync in .item(), a C extension)
     # cannot run any thread of its own: the OS and the parent's reaper must end it.
+    before = runtime_dirs()
     k = DistKernel("--ranks", "2")
     k.execute("import ctypes")
     family = psutil.Process(k.pid).children(recursive=True)  # ranks and the reaper
-    mine = runtime_dirs(k.pid)
+    mine = runtime_dirs() - before
     k.kc.execute("ctypes.PyDLL(None).sleep(120)")  # PyDLL keeps the GIL for the whole call
     time.sleep(1.5)
     os.kill(k.pid, signal.SIGKILL)
@@ -153,23 +152,23 @@ def test_killing_the_parent_ends_ranks_stuck_in_c_code_holding_the_gil():
 
 
 def test_ten_restarts_leave_nothing_behind():
+    before_dirs = runtime_dirs()
     k = DistKernel("--ranks", "2")
-    parents = [k.pid]  # each restart starts a new parent process
     try:
         k.execute("x = 1")
+        parent = psutil.Process(k.pid)
         for _ in range(10):
             k.km.restart_kernel(now=False)
             k.kc.wait_for_ready(timeout=60)
             assert k.execute("print(world_size)", timeout=60).stream() == "2\n"
-            parents.append(k.pid)
         parent = psutil.Process(k.pid)
         ranks = k.rank_pids()
         assert len(ranks) == 2  # only the current ranks exist
-        assert len(runtime_dirs(*parents)) == 1  # the current parent's; the ten before left none
+        assert len(runtime_dirs() - before_dirs) == 1
         assert parent.num_fds() < 200
     finally:
         k.shutdown()
-    assert runtime_dirs(*parents) == set()
+    assert runtime_dirs() - before_dirs == set()
 
 
 def test_several_kernels_side_by_side_do_not_interfere():
