@@ -81,6 +81,7 @@ class DistributedKernel(Kernel):
         self._waiting: dict | None = None  # the request of a cell waiting for the ranks to start
         self._start_notes: list[str] = []  # what the launcher said while the ranks start (the Slurm queue)
         self.group = GroupState()  # ranks left running, a pending re-formation: from cell to cell
+        self._warnings: list[str] = []  # the configuration's warnings, shown once, in the first cell
         self._exiting = False
         # a cell's busy and execute_input, held back until its requests are on their way to the
         # ranks (see _publish_status): the ranks start sooner, and nothing is published before them
@@ -122,6 +123,7 @@ class DistributedKernel(Kernel):
         """Run cells on ``ranks`` (their events come back to the ``on_*`` methods below)."""
         self.ranks = ranks
         self.output_policy = ranks.config.rich_output
+        self._warnings = list(ranks.config.warnings)
         # one output budget for the kernel's life (late output of background threads
         # counts too); spill files live in the private runtime dir, removed at shutdown
         self._output_budget = OutputBudget(spill_dir=ranks.runtime_dir)
@@ -198,6 +200,10 @@ class DistributedKernel(Kernel):
                          user_expressions: dict | None = None, allow_stdin: bool = False,
                          *, cell_meta: dict | None = None, cell_id: str | None = None) -> dict:
         parent = self.get_parent("shell")
+        if self._warnings and not silent:
+            for text in self._warnings:
+                self._publish(parent, "stream", {"name": "stderr", "text": f"[dist_kernel] warning: {text}\n"})
+            self._warnings = []
         if self.ranks is None or not self.ranks.ready.is_set():
             self._held.release()  # the cell waits for the ranks: it is busy meanwhile
         err = await self._ready_error()
