@@ -42,6 +42,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dist_kernel.exceptions import CollectiveHangError, RankDiedError
 from dist_kernel.parent.magics import format_ranks
 
 #: after a finished rank failed, or after an interrupt, how long others may stay busy
@@ -104,7 +105,7 @@ class Verdict:
     action: Action
     stuck: dict[int, str] = field(default_factory=dict)
     teardown_on: tuple[int, ...] = ()
-    ename: str = "CollectiveHangError"
+    ename: str = CollectiveHangError.__name__
 
 
 WAIT = Verdict("wait")
@@ -167,7 +168,7 @@ class Judge:
             s = seen.get(r)
             where = f" while waiting in torch.distributed.{s.collective}()" if s and s.blocked else ""
             stuck[r] = f"rank {r} was stopped{where}: rank {dead} died"
-        return Verdict("stop", stuck, ename="RankDiedError")
+        return Verdict("stop", stuck, ename=RankDiedError.__name__)
 
     def _after_interrupt(self, cell: Cell, busy: list[int], seen: dict[int, Seen], now: float) -> Verdict:
         assert cell.interrupted_at is not None
@@ -179,7 +180,7 @@ class Judge:
                 return WAIT
             return Verdict("abandon", {r: f"rank {r} did not stop after the interrupt; it may still be "
                                           f"running (restart the kernel if it does not come back)"
-                                       for r in running}, ename="KeyboardInterrupt")
+                                       for r in running}, ename=KeyboardInterrupt.__name__)
         if cell.torn_down:
             return WAIT
         if cell.idle:  # the interrupt ended some ranks' cells: the others now wait for them
@@ -193,7 +194,7 @@ class Judge:
             return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(seen[r])}"
                                        for r in blocked},
                            teardown_on=tuple(r for r in cell.world if r not in cell.dead),
-                           ename="KeyboardInterrupt")
+                           ename=KeyboardInterrupt.__name__)
         return WAIT
 
     def _waiting_for_idle(self, cell: Cell, busy: list[int], seen: dict[int, Seen]) -> Verdict:
@@ -254,6 +255,13 @@ def after_cell(torn_down: bool, broke: bool, dead: Iterable[int], left_running: 
     return "reform"
 
 
+#: what a cell that destroyed the group on every rank says: how to bring it back
+DOWN = ("\x1b[1;33mdist_kernel:\x1b[0m the process group is down on every rank (dist.destroy_process_group()); "
+        "collectives fail until it is formed again. Bring it back with dist.init_process_group() run on every "
+        "rank (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set, as torchrun sets them), or restart the "
+        "kernel.")
+
+
 def out_of_step(seqs: dict[int, int], world: Iterable[int]) -> bool:
     """After a failed cell that every rank ran (``seqs``: each rank's collective sequence
     number, from its reply): do they differ? An interrupt can land after a rank enqueued a
@@ -261,14 +269,6 @@ def out_of_step(seqs: dict[int, int], world: Iterable[int]) -> bool:
     collective pairs with the wrong one. The group must then be formed again."""
     world = tuple(world)
     return bool(world) and all(r in seqs for r in world) and len({seqs[r] for r in world}) > 1
-
-
-def down_note(backend: str) -> str:
-    """What a cell that destroyed the group on every rank says: how to bring it back."""
-    return (f"\x1b[1;33mdist_kernel:\x1b[0m the process group is down on every rank (dist.destroy_process_group()); "
-            f"collectives fail until it is formed again. Bring it back with dist.init_process_group(\"{backend}\") "
-            "run on every rank (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set, as torchrun sets them), "
-            "or restart the kernel.")
 
 
 RemoteKind = Literal["exited", "lost", "launcher", "ending", "terminated"]

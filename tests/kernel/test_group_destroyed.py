@@ -28,7 +28,7 @@ def test_destroyed_on_every_rank_it_stays_down_says_how_to_get_it_back_and_init_
     res = group_kernel.execute("dist.destroy_process_group()", timeout=30)
     assert res.status == "ok"
     said = res.stream("stderr")
-    assert "process group is down" in said and 'dist.init_process_group("gloo")' in said, said
+    assert "process group is down" in said and "dist.init_process_group()" in said, said
     assert group_column(group_kernel) == ["down", "down"]
     res = group_kernel.execute(ALL_REDUCE, timeout=30)  # torch's own error, as in a plain script
     assert res.status == "error" and "ValueError" in res.of_type("error")[0].content["ename"]
