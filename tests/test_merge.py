@@ -705,3 +705,8 @@ class TestDrift:
         assert m.pending * 200 <= 100_000 + 1_000
         m.finish(1)
         assert per_rank(streams(m.take()), [0, 1])[0] == [f"{i}\n" for i in range(10_000)]
+
+    def test_a_line_one_rank_sent_in_two_pieces_still_merges_with_its_whole_twins(self):
+        events = [say(0, 0, "5087"), say(0.3, 0, "\n5088\n")] + [say(0.5, r, "5087\n5088\n") for r in (1, 2)]
+        text = streams(run_polled(CellMerger([0, 1, 2], W), events, end=2))
+        assert text == "5087\n5088\n"

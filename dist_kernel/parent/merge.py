@@ -120,6 +120,7 @@ class _Item:
     in_order: bool = False  # published as it is, in its place (see CellMerger.add_in_order)
     display_id: str | None = None
     cr: bool = False  # a piece of a line rewritten with '\r' (a progress bar)
+    partial: bool = False  # the start of a line, published before its end came (it may be cut elsewhere)
 
 
 @dataclass
@@ -472,8 +473,8 @@ class CellMerger:
         for name in names:
             part = self._partials.get((rank, name))
             if part and part.text and (force or now - part.t >= self.window):
-                self._push(rank, _Item("stream", ("stream", name, part.text),
-                                       {"name": name, "text": part.text}, part.t, size=len(part.text)))
+                self._push(rank, _Item("stream", ("stream", name, part.text), {"name": name, "text": part.text},
+                                       part.t, size=len(part.text), partial=True))
                 part.text = ""
 
     def _add_error(self, rank: int, content: dict, now: float) -> None:
@@ -538,14 +539,41 @@ class CellMerger:
         if not queue and len(self.ranks) > 1 and not item.in_order and not item.solo:
             self._realign(rank, item.key)
         queue.append(item)
+        self._count(rank, item)
+
+    def _count(self, rank: int, item: _Item) -> None:
         c = self._counts[rank]
         c[item.key] = c.get(item.key, 0) + 1
         self._bytes += item.size + _ITEM_COST
 
+    def _cut_at_partials(self, live: list[int]) -> None:
+        """A line one rank published in two pieces (its end came after the window) is cut the
+        same way on the ranks that gave it whole, so that the pieces are twins."""
+        queues = self._queues
+        cut = next((queues[r][0] for r in live if queues[r][0].partial), None)
+        if cut is None:
+            return
+        name, text = cut.content["name"], cut.content["text"]
+        place = self._place[next(r for r in live if queues[r][0] is cut)]
+        for r in live:
+            head = queues[r][0]
+            whole = head.content.get("text", "") if head.kind == "stream" else ""
+            if (head.kind == "stream" and head.content["name"] == name and len(whole) > len(text)
+                    and whole.startswith(text) and self._place[r] == place):
+                queues[r].popleft()
+                self._uncount(r, head)
+                for piece in (whole[len(text):], text):
+                    item = _Item("stream", ("stream", name, piece), {"name": name, "text": piece}, head.t,
+                                 size=len(piece), cr=head.cr)
+                    queues[r].appendleft(item)
+                    self._count(r, item)
+
     def _realign(self, rank: int, key: Hashable) -> None:
         """``rank``'s next item is the late twin of one another rank published without it: the
         rank is at that item's place (it lagged, or gave an extra item before), and its output
-        matches again."""
+        matches again. Not when another rank has the same item queued: that is its twin."""
+        if any(key in c for c in self._counts.values()):
+            return
         for other, recent in self._recent.items():
             place = recent.get(key) if other != rank else None
             if place is not None:
@@ -573,7 +601,9 @@ class CellMerger:
         item = self._queues[rank].popleft()
         self._uncount(rank, item)
         if place:
-            if not shared:
+            if shared:
+                self._recent[rank].pop(item.key, None)  # no longer a twinless item to re-align by
+            else:
                 recent = self._recent[rank]
                 recent[item.key] = self._place[rank]
                 recent.move_to_end(item.key)
@@ -707,6 +737,8 @@ class CellMerger:
             if lone is not None:
                 self._emit(self._pop(lone, place=False), None)
                 continue
+            if len(live) > 1:
+                self._cut_at_partials(live)
             if len(live) == len(parts):
                 if len(parts) > 1 and not self._area_ranks and self._pop_common_run():
                     continue
