@@ -710,3 +710,11 @@ class TestDrift:
         events = [say(0, 0, "5087"), say(0.3, 0, "\n5088\n")] + [say(0.5, r, "5087\n5088\n") for r in (1, 2)]
         text = streams(run_polled(CellMerger([0, 1, 2], W), events, end=2))
         assert text == "5087\n5088\n"
+
+    def test_identical_lines_between_differing_ones_of_a_lagging_rank_show_once(self):
+        def lines(r, a, b):
+            return "".join(f"{i}\nrank {r} at {i}\n" for i in range(a, b))
+        events = [say(0.001 * k + 0.5 * r, r, lines(r, k, k + 50)) for r in (0, 1) for k in range(0, 500, 50)]
+        text = streams(run_polled(CellMerger([0, 1], W), events, end=3))
+        assert [line for line in text.splitlines() if not line.startswith("[rank")] == [str(i) for i in range(500)]
+        assert per_rank(text, [0, 1]) == {r: lines(r, 0, 500).splitlines(keepends=True) for r in (0, 1)}

@@ -635,8 +635,9 @@ class CellMerger:
         cr = False
         while queue:
             item = queue[0]
-            if item.kind != "stream" or item.content["name"] != name or item.held:
-                break
+            if item.kind != "stream" or item.content["name"] != name or item.held or (texts and any(
+                    item.key in self._counts[q] for q in self.ranks if q != rank)):
+                break  # an item with a twin queued is published with it, not in this run
             due = self._due(rank, now, final)
             if not due:
                 break
