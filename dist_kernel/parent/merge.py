@@ -705,11 +705,12 @@ class CellMerger:
                 return 0  # q queued a twin deeper: a match (or a held error's fate) decides
             if q in self._done or self._place[q] > place:
                 continue  # q finished, or is past this place: its twin is gone
-            if qq and self._place[q] == place and not qq[0].held:
-                differs = True  # q gave something else here
+            diverged = self._streak[q] >= self.diverge_after
+            if qq and not qq[0].held and (self._place[q] == place or diverged):
+                differs = True  # q gave something else here (or, diverged, gave something else now)
                 continue
             silent = now - self._heard.get(q, self._start if self._start is not None else now)
-            if silent >= self.lag_bound + self._wait(head) - self.window or self._streak[q] >= self.diverge_after:
+            if diverged or silent >= self.lag_bound + self._wait(head) - self.window:
                 window = True
                 continue
             return 0  # q has not reached this place yet and may still give the twin
