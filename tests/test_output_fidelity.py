@@ -163,7 +163,7 @@ def test_spill_files_live_in_the_kernels_runtime_directory_and_go_with_it():
     k = DistKernel("--ranks", "2")
     try:
         runtime = k.execute("import os\nprint(os.environ['DIST_KERNEL_RUNTIME_DIR'])").stream().strip()
-        res = k.execute("for i in range(200_000):\n    print(i)")
+        res = k.execute("for i in range(200_000):\n    print(i, 'x' * 50)")  # 11 MB: past the cap however well it merges
         path = spill_path(res.stream("stderr"))
         assert os.path.dirname(path) == runtime and os.path.exists(path)
     finally:
