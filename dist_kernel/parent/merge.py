@@ -562,9 +562,10 @@ class CellMerger:
                     and whole.startswith(text) and self._place[r] == place):
                 queues[r].popleft()
                 self._uncount(r, head)
-                for piece in (whole[len(text):], text):
+                for piece, partial in ((whole[len(text):], head.partial), (text, False)):
+                    # the rest of a piece that was itself cut short may be cut again
                     item = _Item("stream", ("stream", name, piece), {"name": name, "text": piece}, head.t,
-                                 size=len(piece), cr=head.cr)
+                                 size=len(piece), cr=head.cr, partial=partial)
                     queues[r].appendleft(item)
                     self._count(r, item)
 
