@@ -224,8 +224,8 @@ def shown_and_spilled(res: Result, name: str = "stdout") -> tuple[list[str], lis
     notes = res.stream("stderr")
     live: list[str] = []
     for o in res.outputs:
-        if o.msg_type == "stream" and o.content["name"] == "stderr" and "[dist_kernel]" in o.content["text"]:
-            break  # what follows the first note is the cell's tail, repeated from the file
+        if o.msg_type == "stream" and o.content["name"] == "stderr" and "saved in full to " in o.content["text"]:
+            break  # what follows the spill note is in the file (and the cell's tail, repeated from it)
         if o.msg_type == "display_data" or (o.msg_type == "stream" and o.content["name"] == name):
             live.append(o.text)
     if "saved in full to " not in notes:
