@@ -21,3 +21,17 @@ def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "execv", "execve", "system"):
         if hasattr(os, name):
             monkeypatch.setattr(os, name, refuse(f"os.{name}"))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The unit lane never imports torch: it must run where torch is not installed (issue 18)."""
+    import sys
+
+    if "torch" in sys.modules and _only_unit(session):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        raise pytest.UsageError("a test in tests/unit imported torch: it belongs in tests/kernel")
+
+
+def _only_unit(session: pytest.Session) -> bool:
+    here = os.path.dirname(__file__)
+    return all(str(item.path).startswith(here) for item in session.items)

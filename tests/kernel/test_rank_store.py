@@ -1,6 +1,6 @@
 """The ranks' rendezvous store (issue 22): a wait in it ends at a release from another thread
 or at an interrupt, where torch's own store would wait out the collective timeout. Real
-torch FileStore, no processes."""
+torch FileStore, no processes (in the kernel lane because it imports torch)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
-dist = pytest.importorskip("torch.distributed")
-
-from dist_kernel.rank import store  # noqa: E402
+from dist_kernel.rank import store
 
 
 @pytest.fixture
