@@ -27,7 +27,7 @@ LAUNCHERS = ("local", "slurm", "ssh")
 #: :func:`resolve` read it from here (None: decided from the machine, see the help text)
 DEFAULTS: dict[str, object] = {
     "ranks": None, "gpus": None, "backend": None, "timeout": 1800.0, "startup_timeout": 120.0,
-    "merge_window_ms": 100.0, "fastai": True, "seed": None, "hang_grace": 10.0, "empty_cache": True,
+    "merge_window_ms": 100.0, "fastai": True, "lightning": True, "seed": None, "hang_grace": 10.0, "empty_cache": True,
     "rich_output": "all", "launcher": "local", "nodes": 1, "ranks_per_node": None, "hosts": None,
     "slurm_args": None, "listen": None, "port_range": None,
 }
@@ -49,6 +49,7 @@ OPTIONS: dict[str, str] = {
     "startup_timeout": f"seconds for ranks to start and form the group (default {_default('startup_timeout')})",
     "merge_window_ms": f"ms to wait for identical output from other ranks (default {_default('merge_window_ms')})",
     "fastai": f"on|off: fastai integration inside the ranks (default {_default('fastai')})",
+    "lightning": f"on|off: Lightning integration inside the ranks (default {_default('lightning')})",
     "seed": "random seed shared by every rank (default: random)",
     "hang_grace": f"seconds a rank may wait in a collective the others never entered (default {_default('hang_grace')})",
     "empty_cache": f"on|off: gc + torch.cuda.empty_cache() after each cell (default {_default('empty_cache')})",
@@ -86,6 +87,7 @@ class KernelConfig:
     startup_timeout: float = DEFAULTS["startup_timeout"]  # type: ignore[assignment]
     merge_window: float = DEFAULTS["merge_window_ms"] / 1000  # type: ignore[operator]
     fastai: bool = DEFAULTS["fastai"]  # type: ignore[assignment]
+    lightning: bool = DEFAULTS["lightning"]  # type: ignore[assignment]
     seed: int | None = None  # None: the parent draws one per start, shared by every rank
     hang_grace: float = DEFAULTS["hang_grace"]  # type: ignore[assignment]
     empty_cache: bool = DEFAULTS["empty_cache"]  # type: ignore[assignment]
@@ -303,7 +305,8 @@ def resolve(ns: argparse.Namespace, environ: dict[str, str] | None = None,
         raise ConfigError(f"--rich-output {raw['rich_output']!r} must be one of {', '.join(OUTPUT_POLICIES)}. {FIX_HINT}")
     return KernelConfig(world_size=world, backend=backend, gpus=tuple(gpus), timeout=timeout,
                         startup_timeout=startup, merge_window=window,
-                        fastai=_switch("fastai", raw["fastai"], KernelConfig.fastai), seed=seed, hang_grace=grace,
+                        fastai=_switch("fastai", raw["fastai"], KernelConfig.fastai),
+                        lightning=_switch("lightning", raw["lightning"], KernelConfig.lightning), seed=seed, hang_grace=grace,
                         empty_cache=_switch("empty_cache", raw["empty_cache"], KernelConfig.empty_cache),
                         rich_output=output, launcher=launcher, nodes=nodes, ranks_per_node=per_node,
                         hosts=hosts, slurm_args=slurm_args, listen=listen, port_range=port_range,
