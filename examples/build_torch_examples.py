@@ -5,7 +5,8 @@
 - ``fsdp_dcp.ipynb``: FSDP2 ``fully_shard`` on gloo, the full state dict gathered, a sharded
   ``torch.distributed.checkpoint`` save and load;
 - ``compile_sampler.ipynb``: ``torch.compile`` of a DDP model, a ``DistributedSampler`` loop
-  with ``set_epoch`` and ``tqdm``.
+  with ``set_epoch`` and ``tqdm``;
+- ``deepspeed_zero.ipynb``: DeepSpeed ZeRO stage 2 on CPU (gloo).
 
 Each is the code a script run by ``torchrun --nproc-per-node N`` would hold (``rank`` and
 ``world_size``, which the kernel defines, are the only names it does not define itself; the
@@ -186,6 +187,44 @@ COMPILE = [
         "print('replicas equal:', all(torch.equal(replicas[0], r) for r in replicas))"),
 ]
 
+DEEPSPEED = [
+    new_markdown_cell(
+        "# DeepSpeed ZeRO stage 2 on CPU\n\n"
+        "`deepspeed.initialize` in a cell, as in a script under `torchrun` or the `deepspeed` launcher: DeepSpeed "
+        "finds the process group the kernel formed (gloo on CPU). The first run on a machine JIT-compiles "
+        "DeepSpeed's small shared-memory op (a minute or more; cached in `~/.cache/torch_extensions`). "
+        "`rank` and `world_size` are defined by the kernel."),
+    new_code_cell("import deepspeed, torch\nimport torch.distributed as dist\nfrom torch import nn"),
+    new_code_cell(
+        "torch.manual_seed(0)\n"
+        "model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))\n"
+        "config = {'train_micro_batch_size_per_gpu': 16, 'zero_optimization': {'stage': 2},\n"
+        "          'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-2, 'torch_adam': True}}}\n"
+        "engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)"),
+    new_code_cell(
+        "g = torch.Generator().manual_seed(100 + rank)  # each rank its own batches\n"
+        "w_true = torch.linspace(-1, 1, 16).unsqueeze(1)\n"
+        "for _ in range(20):\n"
+        "    x = torch.randn(16, 16, generator=g)\n"
+        "    loss = nn.functional.mse_loss(engine(x), x @ w_true)\n"
+        "    engine.backward(loss)\n"
+        "    engine.step()\n"
+        "losses = [torch.zeros(()) for _ in range(world_size)]\n"
+        "dist.all_gather(losses, loss.detach())\n"
+        "print('mean loss after 20 steps:', round(float(sum(losses)) / world_size, 3))"),
+    new_markdown_cell("ZeRO-2 keeps 1/N of the optimizer state on each rank; the replicas stay equal:"),
+    new_code_cell(
+        "share = sum(p.numel() for p in optimizer.single_partition_of_fp32_groups)\n"
+        "total = sum(p.numel() for p in engine.module.parameters())\n"
+        "shares = [None] * world_size\n"
+        "dist.all_gather_object(shares, share)\n"
+        "print(f'optimizer state: {total} values split {shares} across the ranks')\n"
+        "flat = torch.cat([p.detach().flatten() for p in engine.module.parameters()])\n"
+        "replicas = [torch.empty_like(flat) for _ in range(world_size)]\n"
+        "dist.all_gather(replicas, flat)\n"
+        "print('replicas equal:', all(torch.equal(replicas[0], r) for r in replicas))"),
+]
+
 
 def write(name: str, cells: list) -> Path:
     nb = new_notebook(cells=cells)
@@ -199,5 +238,5 @@ def write(name: str, cells: list) -> Path:
 
 if __name__ == "__main__":
     for name, cells in (("lightning_ddp.ipynb", LIGHTNING), ("fsdp_dcp.ipynb", FSDP),
-                        ("compile_sampler.ipynb", COMPILE)):
+                        ("compile_sampler.ipynb", COMPILE), ("deepspeed_zero.ipynb", DEEPSPEED)):
         print(write(name, cells))

@@ -1,4 +1,4 @@
-"""Lightning, FSDP2 + torch.distributed.checkpoint, torch.compile + DistributedSampler: the
+"""Lightning, FSDP2 + torch.distributed.checkpoint, torch.compile + DistributedSampler, DeepSpeed: the
 example notebooks, unchanged, on real ranks (real kernel, gloo on CPU), against the same cells
 run as a script under ``torchrun --nproc-per-node 2``.
 
@@ -54,6 +54,11 @@ import json
 print('DKTEST', json.dumps(dict(rank=rank, per_epoch=[len(s) for s in seen], seen=seen, params=flat.tolist(),
       compiled=type(compiled).__name__)))
 """
+DEEPSPEED_PROBE = """\
+import json
+print('DKTEST', json.dumps(dict(rank=rank, share=share, total=total, params=flat.tolist(),
+      optimizer=type(optimizer).__name__, stage=engine.zero_optimization_stage())))
+"""
 
 
 def code_cells(name: str) -> list[str]:
@@ -83,11 +88,13 @@ def under_torchrun(name: str, probe: str, tmp_path: Path, group: bool = True) ->
     script.write_text(SCRIPT_HEAD + (SCRIPT_GROUP if group else "") + "\n".join(code_cells(name))
                       + "\n" + probe + SCRIPT_TAIL)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the kernel sets it on this machine's ranks
+    logs = tmp_path / "torchrun_logs"  # each rank's stdout in a file: long lines of two ranks interleave on a pipe
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], capture_output=True, text=True, timeout=400, cwd=tmp_path, env=env)
+                           "--log-dir", str(logs), "--redirects", "1", str(script)],
+                          capture_output=True, text=True, timeout=400, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    found = events(proc.stdout)
-    assert sorted(found) == [0, 1], proc.stdout[-3000:]
+    found = events("\n".join(p.read_text() for p in logs.rglob("stdout.log")))
+    assert sorted(found) == [0, 1], proc.stderr[-3000:]
     return found
 
 
@@ -175,11 +182,26 @@ def test_compiled_ddp_with_a_distributed_sampler_like_torchrun(tmp_path):
     assert_close(ev[0]["params"], ref[0]["params"])
 
 
-@pytest.mark.parametrize("name", ["lightning_ddp.ipynb", "fsdp_dcp.ipynb", "compile_sampler.ipynb"])
+def test_deepspeed_zero2_trains_on_cpu_like_torchrun(tmp_path):
+    cells, ev = in_kernel("deepspeed_zero.ipynb", DEEPSPEED_PROBE)
+    assert sorted(ev) == [0, 1]
+    for e in ev.values():
+        assert (e["optimizer"], e["stage"]) == ("DeepSpeedZeroOptimizer", 2)
+        assert e["share"] * 2 >= e["total"] > e["share"]  # each rank holds half of the optimizer state
+    assert ev[0]["params"] == ev[1]["params"]
+    text = "".join(cell_text(c) for c in cells)
+    assert_shown_once(text, "replicas equal: True")
+    ref = under_torchrun("deepspeed_zero.ipynb", DEEPSPEED_PROBE, tmp_path, group=False)
+    assert ref[0]["share"] == ev[0]["share"]
+    assert_close(ev[0]["params"], ref[0]["params"])
+
+
+@pytest.mark.parametrize("name", ["lightning_ddp.ipynb", "fsdp_dcp.ipynb", "compile_sampler.ipynb",
+                                  "deepspeed_zero.ipynb"])
 def test_the_notebook_runs_at_4_ranks_through_dist_kernel_run(name):
     proc = subprocess.run([sys.executable, "-m", "dist_kernel", "run", str(EXAMPLES / name), "--ranks", "4"],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [line for line in proc.stdout.splitlines() if line.endswith(": True")]
-    assert len(results) >= 3 and ": False" not in proc.stdout
+    assert len(results) >= 2 and ": False" not in proc.stdout
     assert_shown_once(proc.stdout, *results)
