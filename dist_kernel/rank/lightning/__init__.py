@@ -32,6 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from dist_kernel.rank.imports import patch_on_import
+from dist_kernel.rank.switch import switch_magic
 
 #: the run-time switch (``%dist_lightning on|off``); the patches consult it on every use
 enabled: bool = True
@@ -160,11 +161,4 @@ def set_enabled(on: bool) -> None:
 
 def dist_lightning(line: str = "") -> None:
     """``%dist_lightning on|off``: switch the Lightning integration; no argument shows the state."""
-    arg = line.strip().lower()
-    if arg in ("on", "true", "1"):
-        set_enabled(True)
-    elif arg in ("off", "false", "0"):
-        set_enabled(False)
-    elif arg:
-        raise ValueError(f"%dist_lightning {line.strip()!r}: use `%dist_lightning on` or `%dist_lightning off`.")
-    print(f"dist_kernel Lightning integration: {'on' if enabled else 'off'}")
+    switch_magic(line, "Lightning", "dist_lightning", lambda: enabled, set_enabled)
