@@ -230,7 +230,7 @@ def _join(req: protocol.Join) -> protocol.Joined:
 
 
 def _set_option(req: protocol.SetOption) -> protocol.Done:
-    """``empty_cache`` or ``fastai``, switched at run time (the protocol validated the name)."""
+    """``empty_cache``, ``fastai`` or ``lightning``, switched at run time (the protocol validated the name)."""
     if req.name == "empty_cache":
         agent.set_empty_cache(req.on)
     elif req.name == "lightning":
