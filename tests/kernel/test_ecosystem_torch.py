@@ -18,14 +18,11 @@ import sys
 from pathlib import Path
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 from dist_kernel.runner import kernel_manager
 
-pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "examples"
 _LINE = re.compile(r"DKTEST (?P<json>\{.*\})$", re.M)  # a rank label or a progress bar may come first
 
