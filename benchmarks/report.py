@@ -277,7 +277,11 @@ def markdown(res: dict, idle: bool = True) -> str:
     dist = res.get("dist", {})
     meta = res.get("meta", {})
     lines = ["# dist_kernel benchmarks", "", *_header(res)]
-    if not dist:  # --only idle, --only cluster
+    if not dist:  # --only idle, --only cluster, --only lightning
+        if res.get("lightning"):
+            from benchmarks import lightning_train
+
+            return "\n".join(lines + [lightning_train.markdown(res)])
         return "\n".join(lines + [idle_block(res) if res.get("idle") else cluster.markdown(res)])
 
     # 1. round trip

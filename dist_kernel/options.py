@@ -156,6 +156,8 @@ OPTIONS: tuple[Option, ...] = (
            "(default {default})", _KERNEL, field="merge_window", metavar="MS"),
     Option("fastai", switch, "on", "fastai integration inside the ranks (default {default})", _SUPERVISOR,
            metavar="on|off"),
+    Option("lightning", switch, "on", "Lightning integration inside the ranks (default {default})", _SUPERVISOR,
+           metavar="on|off"),
     Option("seed", whole(0), None, "random seed shared by every rank (default: random)", _SUPERVISOR,
            metavar="N"),
     Option("hang_grace", positive, "10", "seconds a rank may wait in a collective the others never "
@@ -200,6 +202,7 @@ class KernelConfig:
     startup_timeout: float = _default("startup_timeout")
     merge_window: float = _default("merge_window_ms")  # seconds
     fastai: bool = _default("fastai")
+    lightning: bool = _default("lightning")
     seed: int | None = None  # None: the parent draws one per start, shared by every rank
     hang_grace: float = _default("hang_grace")
     empty_cache: bool = _default("empty_cache")
@@ -401,7 +404,7 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
 
     config = KernelConfig(world_size=world, backend=backend, gpus=tuple(gpus), timeout=get("timeout"),
                           startup_timeout=get("startup_timeout"), merge_window=get("merge_window_ms"),
-                          fastai=get("fastai"), seed=value["seed"], hang_grace=get("hang_grace"),
+                          fastai=get("fastai"), lightning=get("lightning"), seed=value["seed"], hang_grace=get("hang_grace"),
                           empty_cache=get("empty_cache"), rich_output=get("rich_output"), launcher=launcher,
                           nodes=nodes, ranks_per_node=per_node, hosts=hosts, slurm_args=slurm_args,
                           listen=listen, port_range=port_range, oversubscribe=get("oversubscribe"))

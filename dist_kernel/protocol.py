@@ -100,6 +100,7 @@ class Join(Request):
     seed: int | None = None
     fastai: bool = False
     empty_cache: bool = True
+    lightning: bool = False  # install the Lightning integration (first formation)
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ class Teardown(Request):
 @dataclass(frozen=True)
 class SetOption(Request):
     """Switch a rank-side behaviour at run time: ``empty_cache`` (free the CUDA cache after
-    each cell) or ``fastai`` (the fastai integration)."""
+    each cell), ``fastai`` or ``lightning`` (those integrations)."""
 
     op: ClassVar[str] = "set_option"
     name: str
@@ -141,7 +142,7 @@ class SetOption(Request):
 
 #: every request, by op
 REQUESTS: dict[str, type[Request]] = {c.op: c for c in (Join, Where, Status, Teardown, SetOption)}
-OPTION_NAMES = ("empty_cache", "fastai")
+OPTION_NAMES = ("empty_cache", "fastai", "lightning")
 
 
 # ---------------------------------------------------------------------- replies

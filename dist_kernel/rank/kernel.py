@@ -267,9 +267,13 @@ def _join(req: protocol.Join) -> protocol.Joined:
 
 
 def _set_option(req: protocol.SetOption) -> protocol.Done:
-    """``empty_cache`` or ``fastai``, switched at run time (the protocol validated the name)."""
+    """``empty_cache``, ``fastai`` or ``lightning``, switched at run time (the protocol validated the name)."""
     if req.name == "empty_cache":
         agent.set_empty_cache(req.on)
+    elif req.name == "lightning":
+        from dist_kernel.rank import lightning
+
+        lightning.set_enabled(req.on)
     else:
         from dist_kernel.rank.fastai import state
 

@@ -62,6 +62,10 @@ def join(req: Join) -> str:
         from dist_kernel.rank import fastai as fastai_integration
 
         fastai_integration.install()
+    if req.first and req.lightning:
+        from dist_kernel.rank import lightning as lightning_integration
+
+        lightning_integration.install()
     return str(device)
 
 

@@ -56,11 +56,6 @@ def set_enabled(on: bool) -> None:
 
 def dist_fastai(line: str = "") -> None:
     """``%dist_fastai on|off``: switch the fastai integration; no argument shows the state."""
-    arg = line.strip().lower()
-    if arg in ("on", "true", "1"):
-        set_enabled(True)
-    elif arg in ("off", "false", "0"):
-        set_enabled(False)
-    elif arg:
-        raise ValueError(f"%dist_fastai {line.strip()!r}: use `%dist_fastai on` or `%dist_fastai off`.")
-    print(f"dist_kernel fastai integration: {'on' if enabled else 'off'}")
+    from dist_kernel.rank.switch import switch_magic
+
+    switch_magic(line, "fastai", "dist_fastai", lambda: enabled, set_enabled)
