@@ -990,6 +990,48 @@ def test_a_rank_killed_on_a_node_is_reported_with_its_host(fresh_kernel, launche
     after_fault(k, "a rank's SIGKILL")
 
 
+def rank_parts(res) -> list[str]:
+    """The first line of each rank's part of the cell's error: one line per rank ("[rank 2:
+    ...]" of a DistributedError, or the whole value when every rank failed alike)."""
+    (err,) = res.of_type("error")
+    value = err.content["evalue"]
+    parts = re.findall(r"\[rank [0-9, -]+: ([^\n\]]*)", value)
+    return parts or [value.splitlines()[0]]
+
+
+@pytest.mark.parametrize("launcher", ["slurm"])
+def test_after_scancel_the_error_says_first_that_the_job_was_cancelled(fresh_kernel, launcher):
+    k = fresh_kernel
+    (job,) = [j for j, state in k.my_jobs().items() if state == "RUNNING"]
+    res, _ = cell_with_fault(k, lambda: run_ok(["scancel", str(job)]))
+    text = error_text(res)
+    print(f"scancel:\n{text[:800]}")
+    cause = f"Slurm job {job} was cancelled (scancel)"
+    assert cause in text, text
+    # the cause before how srun ended (it often ends with code 0 once its step is cancelled)
+    assert "srun exited" not in text or text.index(cause) < text.index("srun exited"), text
+    for part in rank_parts(res):
+        assert cause in part, part
+    after_fault(k, "scancel")
+
+
+@pytest.mark.parametrize("launcher", ["slurm"])
+def test_a_rank_killed_in_a_collective_gives_every_rank_the_clear_message(fresh_kernel, launcher):
+    """Rank 3 (on n2) is killed while every rank loops in all_reduce: its node-mate (rank 2),
+    whose gloo pair to it breaks first, says what happened as the others do, not gloo's words."""
+    k = fresh_kernel
+    victim_rank = remote_ranks(k, "n2")[-1]
+    (victim,) = [p for p in k.ranks_on("n2") if environ_of(p.pid).get("RANK") == str(victim_rank)]
+    loop = "t = torch.ones(1)\nwhile True:\n    dist.all_reduce(t)"
+    res, _ = cell_with_fault(k, lambda: kill_pid(victim), code=loop)
+    text = error_text(res)
+    print(f"rank SIGKILL in all_reduce:\n{text[:1200]}")
+    assert "pair.cc" not in text and "Read error" not in text, text
+    assert names_ranks(text, [victim_rank]) and "SIGKILL" in text, text
+    assert names_ranks(text, list(range(k.world))), text
+    after_fault(k, "a rank's SIGKILL in a collective")
+
+
 @pytest.mark.parametrize("launcher", ["slurm", "ssh"])
 def test_killing_the_parent_leaves_nothing_on_the_nodes_and_no_job(lab, launcher):
     opts, g = LAUNCHERS[launcher]
