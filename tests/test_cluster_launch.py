@@ -113,6 +113,45 @@ def test_srun_messages_about_the_job_are_recognised(line, parsed):
     assert parse_srun_line(line) == parsed
 
 
+@pytest.mark.parametrize("line, said", [
+    ("slurmstepd-n1: error: *** STEP 21.0 ON n1 CANCELLED AT 2026-11-25T16:39:24 ***",
+     ("21", "n1", "", "Slurm job 21 was cancelled (scancel)")),
+    ("srun: error: *** JOB 7 ON n2 CANCELLED AT 2026-01-01T10:00:00 DUE TO TIME LIMIT ***",
+     ("7", "n2", "time limit", "Slurm job 7 reached its time limit (--time)")),
+    ("slurmstepd: error: *** STEP 6.0 ON n1 CANCELLED AT 2026-01-01T10:00:00 DUE TO NODE FAILURE ***",
+     ("6", "n1", "node failure", "Slurm job 6 ended: node n1 failed")),
+])
+def test_slurms_word_that_it_cancelled_the_job_is_read_as_a_typed_event(line, said):
+    cancel = slurm.parse_cancel_line(line)
+    assert (cancel.job, cancel.node, cancel.reason, cancel.words()) == said and cancel.line == line
+    assert slurm.parse_cancel_line("srun: Job step aborted: Waiting up to 5 seconds for job step to finish.") is None
+
+
+def test_a_cancelled_job_is_the_failure_said_first_even_before_srun_exits_with_code_0(tmp_path):
+    line = "slurmstepd-n1: error: *** STEP 5.0 ON n1 CANCELLED AT 2026-11-25T16:39:24 ***"
+
+    class FakeSrun(SlurmLauncher):
+        def commands(self):
+            return [("srun", None, [sys.executable, "-c", f"import sys, time; print({line!r}, flush=True); "
+                                                          "sys.stdin.readline(); time.sleep(1); sys.exit(0)"])]
+
+    async def go():
+        fake = FakeSrun(config(), lambda i: [], runtime(tmp_path), LOG, print, environ={})
+        await fake.start(BOOTSTRAP)
+        await until(lambda: fake.failure() is not None, 10, allow_failure=True)
+        early = fake.failure()
+        await until(lambda: fake._children[0].popen.poll() is not None, 10, allow_failure=True)
+        await asyncio.sleep(0.2)
+        late = fake.failure()
+        fake.expect_exit()
+        await fake.stop()
+        return early, late
+
+    early, late = asyncio.run(go())
+    assert early == f"Slurm job 5 was cancelled (scancel).\n{line}"
+    assert late.startswith("Slurm job 5 was cancelled (scancel).\nsrun exited with code 0: ") and line in late
+
+
 def test_failure_words_quote_the_last_lines():
     tail = ["srun: error: invalid partition specified: nope",
             "srun: error: Unable to allocate resources: Invalid partition name specified"]

@@ -198,7 +198,8 @@ class RankChannel:
         self._listeners: dict[str, IOPubHandler] = {}
         self._pending: dict[str, asyncio.Future] = {}
         self._handlers: dict[str, Callable[[dict], None]] = {
-            "iopub": self._on_iopub, "shell": self._resolve, "control": self._resolve, "stdin": self._route_stdin}
+            "iopub": self._on_iopub, "shell": self._resolve_shell, "control": self._resolve, "stdin": self._route_stdin}
+        self._replies_held = False
         self._heard_iopub: asyncio.Event | None = None
         self.closing = False
         self.dead: Exception | None = None
@@ -380,6 +381,17 @@ class RankChannel:
         fut = self._pending.pop(msg["parent_header"].get("msg_id"), None)
         if fut is not None and not fut.done():
             fut.set_result(msg)
+
+    def _resolve_shell(self, msg: dict) -> None:
+        if not self._replies_held:
+            self._resolve(msg)
+
+    def hold_replies(self) -> None:
+        """Shell replies from now on are not handed on: the rank is about to be declared gone
+        (:meth:`fail_pending` then fails what waits on them, naming why). A fault that takes
+        every rank is settling, and this rank's own error (a broken connection to the rank that
+        died) is not what happened."""
+        self._replies_held = True
 
     def _route_stdin(self, msg: dict) -> None:
         if msg["msg_type"] == "input_request":

@@ -44,11 +44,12 @@ class SlurmCancel:
     job: str
     node: str
     reason: str = ""  # Slurm's "DUE TO ..." words, lower case; "" for scancel
+    line: str = ""  # the line that said so
 
     def words(self) -> str:
-        why = {"": "cancelled (scancel)", "time limit": "ended: it reached its time limit (--time)",
-               "preemption": "ended: it was preempted", "node failure": f"ended: node {self.node} failed"}
-        return f"Slurm job {self.job} was {why.get(self.reason, f'cancelled due to {self.reason}')}"
+        why = {"": "was cancelled (scancel)", "time limit": "reached its time limit (--time)",
+               "preemption": "was preempted", "node failure": f"ended: node {self.node} failed"}
+        return f"Slurm job {self.job} {why.get(self.reason, f'was cancelled due to {self.reason}')}"
 
 
 def job_name(runtime_dir: str) -> str:
@@ -99,7 +100,7 @@ def parse_srun_line(line: str) -> SrunEvent | None:
 def parse_cancel_line(line: str) -> SlurmCancel | None:
     """slurmstepd's line that the job or step was cancelled, as srun relays it; or None."""
     m = _CANCELLED.search(line)
-    return SlurmCancel(m.group(1), m.group(2), (m.group(3) or "").strip().lower()) if m else None
+    return SlurmCancel(m.group(1), m.group(2), (m.group(3) or "").strip().lower(), line.strip()) if m else None
 
 
 def check_allocation(config: KernelConfig, environ: Mapping[str, str] | None = None) -> None:
@@ -219,12 +220,13 @@ class SlurmLauncher(NodeLauncher):
             self._record()
 
     def failure(self) -> str | None:
-        """How srun ended; when Slurm said it cancelled the job, that cause comes first (srun
-        itself then often exits with code 0)."""
+        """How srun ended. Once Slurm said that it cancelled the job (scancel, the time limit),
+        that is the failure, said first, at once: srun may wait seconds for the step to end,
+        and then often exits with code 0."""
         words = super().failure()
-        if words is None or self.cancelled is None:
+        if self.cancelled is None or self._stopping:
             return words
-        return f"{self.cancelled.words()}.\n{words}"
+        return f"{self.cancelled.words()}.\n{words or self.cancelled.line}"
 
     def _on_line(self, child: _Child, line: str) -> None:
         cancel = parse_cancel_line(line)

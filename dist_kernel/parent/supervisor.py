@@ -323,7 +323,9 @@ class RankSupervisor:
                     continue
                 await r.process.poll()
                 reason = r.process.exit_reason()
-                if reason:
+                # while a fault that takes the gang settles (scancel SIGTERMs every rank), the
+                # ranks die of its cause, named once it is known (_report_fault)
+                if reason and not self._causes:
                     self._died(r, reason)
                     continue
                 state = r.process.os_state()
@@ -352,6 +354,11 @@ class RankSupervisor:
             return
         self._causes.append(cause)
         if len(self._causes) == 1:
+            # a rank's reply that comes meanwhile (gloo's "Read error" on a peer of the rank that
+            # died) is not its part of the story: every rank's part is the cause, once named
+            for r in self.ranks.values():
+                if r.channel is not None:
+                    r.channel.hold_replies()
             asyncio.get_running_loop().call_later(FAULT_SETTLE, self._report_fault)
 
     def _report_fault(self) -> None:
