@@ -152,6 +152,29 @@ def test_a_cancelled_job_is_the_failure_said_first_even_before_srun_exits_with_c
     assert late.startswith("Slurm job 5 was cancelled (scancel).\nsrun exited with code 0: ") and line in late
 
 
+def test_a_step_that_srun_ends_itself_after_a_task_failed_is_no_cancellation(tmp_path):
+    # --kill-on-bad-exit: srun says which task failed, ends the step, then slurmstepd says CANCELLED
+    lines = ["srun: error: n2: task 1: Killed", "srun: launch/slurm: _step_signal: Terminating StepId=76.0",
+             "slurmstepd-n1: error: *** STEP 76.0 ON n1 CANCELLED AT 2026-11-25T17:18:40 ***",
+             "srun: error: n1: task 0: Terminated"]
+
+    class FakeSrun(SlurmLauncher):
+        def commands(self):
+            return [("srun", None, [sys.executable, "-c", f"import sys; sys.stdin.readline(); print({chr(10).join(lines)!r});"
+                                                          "sys.exit(137)"])]
+
+    async def go():
+        fake = FakeSrun(config(), lambda i: [], runtime(tmp_path), LOG, print, environ={})
+        await fake.start(BOOTSTRAP)
+        await until(lambda: fake.failure() is not None, 10, allow_failure=True)
+        words = fake.failure()
+        fake.expect_exit()
+        await fake.stop()
+        return words
+
+    assert asyncio.run(go()) == "srun exited with code 137: " + "\n".join(lines)
+
+
 def test_failure_words_quote_the_last_lines():
     tail = ["srun: error: invalid partition specified: nope",
             "srun: error: Unable to allocate resources: Invalid partition name specified"]

@@ -27,6 +27,10 @@ _STEP_BUSY = re.compile(r"\bJob (\d+) step creation temporarily disabled")
 #: slurmstepd's "*** STEP 12.0 ON n1 CANCELLED AT 2026-01-01T10:00:00 DUE TO TIME LIMIT ***"
 _CANCELLED = re.compile(r"\*\*\* (?:STEP|JOB) (\d+)(?:\.\S+)? ON (\S+) CANCELLED AT \S+(?: DUE TO ([A-Z ]+?))?(?: \*\*\*|$)")
 
+#: srun ending the step itself (a task failed and --kill-on-bad-exit): its CANCELLED line that
+#: follows is srun's doing, not Slurm's (scancel, a time limit)
+_SRUN_ENDS_STEP = re.compile(r"^srun: (?:error: \S+: tasks? [0-9,-]+: (?!Terminated)|.*Terminating StepId=)")
+
 SrunKind = Literal["queued", "allocated", "granted", "step_busy"]
 
 
@@ -201,6 +205,7 @@ class SlurmLauncher(NodeLauncher):
         self.name = effective_job_name(self.config.slurm_args, job_name(self.runtime_dir))
         self._allocated_noted = False
         self.cancelled: SlurmCancel | None = None  # Slurm's word that it ended the job or step
+        self._srun_ended_step = False  # srun ended the step itself first (a task failed)
 
     def commands(self) -> list[tuple[str, str | None, list[str]]]:
         argv = srun_argv(self.config.nodes, self.config.slurm_args,
@@ -229,8 +234,10 @@ class SlurmLauncher(NodeLauncher):
         return f"{self.cancelled.words()}.\n{words or self.cancelled.line}"
 
     def _on_line(self, child: _Child, line: str) -> None:
+        if _SRUN_ENDS_STEP.search(line):
+            self._srun_ended_step = True
         cancel = parse_cancel_line(line)
-        if cancel is not None and self.cancelled is None:
+        if cancel is not None and self.cancelled is None and not self._srun_ended_step:
             self.cancelled = cancel
         parsed = parse_srun_line(line)
         if parsed is None:
