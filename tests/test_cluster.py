@@ -952,6 +952,15 @@ def test_a_node_whose_link_goes_down_is_reported_and_nothing_is_left(fresh_kerne
     after_fault(k, "the link came back")
 
 
+def rank_parts(res) -> list[str]:
+    """The first line of each rank's part of the cell's error: one line per rank ("[rank 2:
+    ...]" of a DistributedError, or the whole value when every rank failed alike)."""
+    (err,) = res.of_type("error")
+    value = err.content["evalue"]
+    parts = re.findall(r"\[rank [0-9, -]+: ([^\n\]]*)", value)
+    return parts or [value.splitlines()[0]]
+
+
 @pytest.mark.parametrize("launcher", ["slurm"])
 def test_scancel_of_the_job_is_reported_and_nothing_is_left(fresh_kernel, launcher):
     k = fresh_kernel
@@ -961,6 +970,11 @@ def test_scancel_of_the_job_is_reported_and_nothing_is_left(fresh_kernel, launch
     print(f"scancel: reported after {took:.1f} s:\n{text[:600]}")
     assert took < REPORT_WITHIN, text
     assert re.search(r"scancel|cancel", text) and names_ranks(text, list(range(k.world))), text
+    # the cause first, in every rank's part, before how srun ended (often with code 0 after a cancel)
+    cause = f"Slurm job {job} was cancelled (scancel)"
+    assert "srun exited" not in text or text.index(cause) < text.index("srun exited"), text
+    for part in rank_parts(res):
+        assert cause in part, part
     assert wait_until(lambda: job_table()[job][0] not in QUEUED, 15), f"job {job} still in squeue: {job_table()[job]}"
     after_fault(k, "scancel")
 
@@ -988,31 +1002,6 @@ def test_a_rank_killed_on_a_node_is_reported_with_its_host(fresh_kernel, launche
     assert took < REPORT_WITHIN, text
     assert blames(text, "n2") and names_ranks(text, [victim_rank]) and "SIGKILL" in text, text
     after_fault(k, "a rank's SIGKILL")
-
-
-def rank_parts(res) -> list[str]:
-    """The first line of each rank's part of the cell's error: one line per rank ("[rank 2:
-    ...]" of a DistributedError, or the whole value when every rank failed alike)."""
-    (err,) = res.of_type("error")
-    value = err.content["evalue"]
-    parts = re.findall(r"\[rank [0-9, -]+: ([^\n\]]*)", value)
-    return parts or [value.splitlines()[0]]
-
-
-@pytest.mark.parametrize("launcher", ["slurm"])
-def test_after_scancel_the_error_says_first_that_the_job_was_cancelled(fresh_kernel, launcher):
-    k = fresh_kernel
-    (job,) = [j for j, state in k.my_jobs().items() if state == "RUNNING"]
-    res, _ = cell_with_fault(k, lambda: run_ok(["scancel", str(job)]))
-    text = error_text(res)
-    print(f"scancel:\n{text[:800]}")
-    cause = f"Slurm job {job} was cancelled (scancel)"
-    assert cause in text, text
-    # the cause before how srun ended (it often ends with code 0 once its step is cancelled)
-    assert "srun exited" not in text or text.index(cause) < text.index("srun exited"), text
-    for part in rank_parts(res):
-        assert cause in part, part
-    after_fault(k, "scancel")
 
 
 @pytest.mark.parametrize("launcher", ["slurm"])

@@ -79,6 +79,9 @@ class Wire(Protocol):
     """How one rank's channel frames travel: sockets of its own on this machine
     (:class:`SocketWire`), or its node agent's connection for a rank elsewhere (remote.py)."""
 
+    def connect(self, identity: bytes) -> None:
+        """Reach the rank as ``identity`` (the rank answers ``input()`` to the shell sender's)."""
+
     def open(self, deliver: Callable[[str, list[bytes]], None]) -> None:
         """From now on, hand every incoming message (its channel's name, its frames) to
         ``deliver``, on the running event loop."""
@@ -206,9 +209,8 @@ class RankChannel:
 
     # ------------------------------------------------------------- connecting
     def start(self) -> None:
-        """Connect a wire of sockets (the rank answers ``input()`` to the shell sender's identity)."""
-        if isinstance(self.wire, SocketWire):
-            self.wire.connect(self.session.bsession)
+        """Connect (messages wait on the wire until :meth:`wait_for_ready` reads them)."""
+        self.wire.connect(self.session.bsession)
 
     async def wait_for_ready(self, timeout: float) -> None:
         """Read from now on, and wait until the rank answers ``kernel_info`` on its shell and

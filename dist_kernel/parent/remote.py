@@ -255,6 +255,9 @@ class RemoteWire:
         self.tunnel = tunnel_
         self.rank = rank
 
+    def connect(self, identity: bytes) -> None:
+        """Nothing to connect: the agent's sockets on the node carry the identity it gives them."""
+
     def open(self, deliver: Callable[[str, list[bytes]], None]) -> None:
         self.tunnel.attach(self.rank, deliver)
 
