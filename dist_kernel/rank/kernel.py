@@ -108,17 +108,17 @@ class RankKernel(IPythonKernel):
         error = getattr(result, "error_in_exec", None) if result is not None else None
         info: dict = {}
         if reply_content.get("status") == "error" and agent.group_broke(error):
-            info["group_broken"] = True
+            info[protocol.META_GROUP_BROKEN] = True
         # how many IOPub messages this cell published before its reply (streams are flushed by
         # now): the parent has all of its output once it holds the reply and that many
         # messages, without waiting for the idle that the IOPub thread sends after the reply
         with self._count_lock:
             if self._counting == _msg_id(parent):
-                info["iopub"] = self._published
+                info[protocol.META_IOPUB] = self._published
                 self._told = self._counting
             self._counting = None
         if info:
-            metadata["dist_kernel"] = info
+            metadata[protocol.META] = info
         return metadata
 
     # ------------------------------------------------------------ dist_request
