@@ -27,15 +27,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dist_kernel.exceptions import ConfigError
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.cleanup import LAUNCH_FILE
 from dist_kernel.parent.reaper import write_launch
-
-if TYPE_CHECKING:
-    from dist_kernel.parent.slurm import SrunEvent
 
 #: stderr lines kept per launcher process
 TAIL_LINES = 40
@@ -109,15 +106,13 @@ class NodeLauncher:
     def __init__(self, config: KernelConfig, agent_argv: Callable[[int | None], list[str]], runtime_dir: str,
                  log: logging.Logger, on_note: Callable[[str], None],
                  on_failure: Callable[[str], None] | None = None,
-                 environ: Mapping[str, str] | None = None,
-                 on_queue: Callable[[SrunEvent], None] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None) -> None:
         self.config = config
         self.agent_argv = agent_argv
         self.runtime_dir = runtime_dir
         self.log = log
         self.on_note = on_note
         self.on_failure = on_failure
-        self.on_queue = on_queue
         self.environ = dict(os.environ if environ is None else environ)
         self.job_id: str | None = None
         self._children: list[_Child] = []
@@ -334,20 +329,3 @@ class NodeLauncher:
 
     def _cancel(self, srun_killed: bool) -> None:
         """Slurm: cancel the kernel's job (or its leftover step in the user's allocation)."""
-
-
-def make_launcher(config: KernelConfig, agent_argv: Callable[[int | None], list[str]], runtime_dir: str,
-                  log: logging.Logger, on_note: Callable[[str], None],
-                  on_failure: Callable[[str], None] | None = None,
-                  environ: Mapping[str, str] | None = None,
-                  on_queue: Callable[[SrunEvent], None] | None = None) -> NodeLauncher:
-    """The launcher for ``config.launcher`` (slurm or ssh); checks an allocation's node count."""
-    from dist_kernel.parent.slurm import SlurmLauncher, check_allocation
-    from dist_kernel.parent.ssh import SshLauncher
-
-    if config.launcher == "slurm":
-        check_allocation(config, environ)
-        return SlurmLauncher(config, agent_argv, runtime_dir, log, on_note, on_failure, environ, on_queue)
-    if config.launcher == "ssh":  # options.py made sure that --hosts names the hosts
-        return SshLauncher(config, agent_argv, runtime_dir, log, on_note, on_failure, environ, on_queue)
-    raise ValueError(f"no node launcher for --launcher {config.launcher}")

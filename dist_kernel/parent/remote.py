@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 import zmq
@@ -31,9 +31,11 @@ from dist_kernel.exceptions import ConfigError, RankStartError
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent import listen, slurm
 from dist_kernel.parent.channels import Wire
-from dist_kernel.parent.cluster import make_launcher
+from dist_kernel.parent.cluster import NodeLauncher
 from dist_kernel.parent.fault_policy import RemoteCause
 from dist_kernel.parent.launcher import GangLauncher, describe_exit
+from dist_kernel.parent.slurm import SlurmLauncher, SrunEvent, check_allocation
+from dist_kernel.parent.ssh import SshLauncher
 
 #: a node whose agent has not said hello this long after its launcher started it (or left
 #: the queue) is a wiring mistake, reported well before --startup-timeout
@@ -322,6 +324,22 @@ class RemoteRank:
         return {"key": self.key, "signature_scheme": "hmac-sha256"}, RemoteWire(self.tunnel, self.rank)
 
 
+def make_launcher(config: KernelConfig, agent_argv: Callable[[int | None], list[str]], runtime_dir: str,
+                  log: logging.Logger, on_note: Callable[[str], None],
+                  on_failure: Callable[[str], None] | None = None,
+                  environ: Mapping[str, str] | None = None,
+                  on_queue: Callable[[SrunEvent], None] | None = None) -> NodeLauncher:
+    """The launcher for ``config.launcher`` (slurm or ssh); checks an allocation's node count."""
+    if config.launcher == "slurm":
+        check_allocation(config, environ)
+        slurm_launcher = SlurmLauncher(config, agent_argv, runtime_dir, log, on_note, on_failure, environ)
+        slurm_launcher.on_queue = on_queue
+        return slurm_launcher
+    if config.launcher == "ssh":  # options.py made sure that --hosts names the hosts
+        return SshLauncher(config, agent_argv, runtime_dir, log, on_note, on_failure, environ)
+    raise ValueError(f"no node launcher for --launcher {config.launcher}")
+
+
 class RemoteLauncher(GangLauncher):
     """Starts the node agents (through Slurm or SSH), waits for them, and hands out their ranks.
 
@@ -358,7 +376,7 @@ class RemoteLauncher(GangLauncher):
         if not self.processes or kind in ("hello", "started", "failed"):
             self._events.put_nowait((node, event))
 
-    def _on_queue(self, event: slurm.SrunEvent) -> None:
+    def _on_queue(self, event: SrunEvent) -> None:
         """What srun says of the job: while it is queued the connect timeout does not run."""
         if event.kind == "queued":
             self._queued = True
@@ -377,7 +395,7 @@ class RemoteLauncher(GangLauncher):
     async def launch_all(self) -> dict[int, RemoteRank]:
         """Start the agents and their ranks; raises :class:`RankStartError` naming the node and address."""
         cfg = self.config
-        slurm.check_allocation(cfg)
+        check_allocation(cfg)
         address = cfg.listen or listen.default_listen(cfg)
         try:  # ZMQ binds to addresses, not names; the nodes then connect to that address too
             address = socket.gethostbyname(address)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -205,6 +205,8 @@ class SlurmLauncher(NodeLauncher):
         self.name = effective_job_name(self.config.slurm_args, job_name(self.runtime_dir))
         self._allocated_noted = False
         self.cancelled: SlurmCancel | None = None  # Slurm's word that it ended the job or step
+        #: told of each thing srun says of the job (queued, allocated, ...), in the loop of start()
+        self.on_queue: Callable[[SrunEvent], None] | None = None
         self._srun_ended_step = False  # srun ended the step itself first (a task failed)
 
     def commands(self) -> list[tuple[str, str | None, list[str]]]:

@@ -28,9 +28,10 @@ import pytest
 from dist_kernel.exceptions import ConfigError
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent import cleanup, cluster, slurm, ssh
-from dist_kernel.parent.cluster import NodeLauncher, exit_words, make_launcher
+from dist_kernel.parent.cluster import NodeLauncher, exit_words
 from dist_kernel.parent.listen import default_listen
 from dist_kernel.parent.reaper import reap, write_launch
+from dist_kernel.parent.remote import make_launcher
 from dist_kernel.parent.slurm import SlurmLauncher, check_allocation, parse_srun_line, srun_argv
 from dist_kernel.parent.ssh import SshLauncher, ssh_argv
 
