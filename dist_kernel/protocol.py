@@ -44,6 +44,10 @@ META_RANKS = "ranks"
 META_IOPUB = "iopub"
 #: execute_reply, rank -> parent: the cell's error broke the process group (true)
 META_GROUP_BROKEN = "group_broken"
+#: execute_reply, rank -> parent: the cell destroyed the process group (true)
+META_GROUP_DESTROYED = "group_destroyed"
+#: execute_reply of a failed cell, rank -> parent: the default group's collective sequence number
+META_SEQ = "seq"
 #: display_data, rank -> parent: this rank's output alone, shown once and unlabelled (true)
 META_SOLO = "solo"
 #: merged output, parent -> frontend: the ranks it stands for are :data:`META_RANKS`; a merged
@@ -167,6 +171,12 @@ class Place:
     stack: list[str]
     line: str
     busy: bool  # the main thread is running a cell (not idle in the event loop)
+    #: it waits in the rendezvous store: group creation (``collective`` is the public call,
+    #: ``new_group``), which every rank of the world must enter
+    store_wait: bool = False
+    #: the cell's own code still runs; False once it has ended (its traceback is being shown,
+    #: its reply sent): an interrupted rank in that state has stopped and only reports
+    in_code: bool = True
 
 
 @dataclass(frozen=True)
@@ -182,6 +192,7 @@ class RankStatus:
     line: str  # where the cell is, when busy
     cuda_allocated_mb: float | None = None
     cuda_reserved_mb: float | None = None
+    group: str = "up"  # the default process group: "up", or "down" (destroyed in a cell)
 
 
 @dataclass(frozen=True)

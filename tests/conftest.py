@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import kernel_for_module  # noqa: E402
+from harness import GROUP_SETUP, DistKernel, kernel_for_module  # noqa: E402
 
 TESTS = Path(__file__).parent
 #: the lanes whose tests start real kernels or processes
@@ -54,3 +54,13 @@ def kernel3():
 def artifacts() -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS
+
+
+@pytest.fixture(scope="module")
+def group_kernel():
+    """2 ranks, a 2 s hang grace, torch imported and ``kept`` defined: for group faults."""
+    k = DistKernel("--ranks", "2", "--hang-grace", "2")
+    k.execute(GROUP_SETUP)
+    yield k
+    k.shutdown()
+

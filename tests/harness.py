@@ -6,8 +6,10 @@ import contextlib
 import os
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 from jupyter_client import KernelManager
@@ -81,6 +83,15 @@ def is_rank_process(proc: psutil.Process) -> bool:
         return False
 
 
+def own_session(kc: Any) -> Any:
+    """A client whose messages cannot share ids with its manager's (the stop button's
+    interrupt_request). ``km.client()`` clones the manager's session id, each counts from 0,
+    so an execute and an earlier interrupt could both be ``<id>_<pid>_8``: a reader matching
+    by parent id would take the interrupt's ``idle`` for the cell's, and end it early."""
+    kc.session.session = str(uuid.uuid4())
+    return kc
+
+
 class DistKernel:
     """A started kernel with a blocking client."""
 
@@ -88,7 +99,7 @@ class DistKernel:
         self.km = KernelManager(kernel_name="distributed-python", kernel_spec_manager=spec_manager(list(options)))
         kw = {"env": {**os.environ, **env}} if env else {}
         self.km.start_kernel(**kw)
-        self.kc = self.km.client()
+        self.kc = own_session(self.km.client())
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=ready_timeout)
 
@@ -153,3 +164,19 @@ def end_process_tree(proc: subprocess.Popen) -> None:
             with contextlib.suppress(psutil.Error):
                 p.kill()
     proc.wait()
+
+
+# ------------------------------------------------------------ faults (test_faults, test_group_*)
+GROUP_SETUP = "import torch, torch.distributed as dist, os, time\nkept = 100 + rank"
+
+
+def error_of(res: Result) -> dict:
+    """The one error output of a cell."""
+    (err,) = res.of_type("error")
+    return err.content
+
+
+def assert_group_works_and_variables_survived(k: DistKernel) -> None:
+    res = k.execute("t = torch.ones(1)\ndist.all_reduce(t)\nprint(int(t.item()), kept)", timeout=30)
+    assert res.stream() == "[rank 0] 2 100\n[rank 1] 2 101\n", res.outputs
+

@@ -333,8 +333,8 @@ class CellRun:
         busy = [r for r in self.busy_ranks if via.alive(r)]
         places = dict(zip(busy, await asyncio.gather(*(via.where(r) for r in busy)), strict=True))
         seen = {r: _seen(p) for r, p in places.items()}
-        for r, s in seen.items():
-            if not s.answered and not via.stopped(r):
+        for r in self.judge.silent(seen):
+            if not via.stopped(r):
                 self.notice(f"rank {r} ({via.describe(r)}) does not answer ({via.os_state(r)}): it may be stuck "
                             "in C code that holds the GIL. Press stop to end the cell, or restart the kernel.",
                             key=("silent", r))
@@ -418,15 +418,25 @@ class CellRun:
         """Run the cell to its end (:meth:`wait`), re-form the group if it broke, and return
         the cell's error with the notes about the group, or None."""
         error = await self.wait()
-        if self.via is not None and (self.group_broken or self.group_broke()):
+        if self.via is not None and (self.group_broken or self.group_broke() or self.destroyed()):
             await self._recover_group()
         if error is not None:
             error = dict(error, traceback=error["traceback"] + self.notes)
+        elif self.notes:  # a cell that succeeded but changed the group (destroyed it)
+            self._raw_publish("stream", {"name": "stderr", "text": "\n".join(self.notes) + "\n"})
         return error
 
     def group_broke(self) -> bool:
-        """Did a rank report that its process group broke during the cell?"""
-        return any(protocol.meta_of(meta).get(protocol.META_GROUP_BROKEN) for meta in self.reply_metadata.values())
+        """Did a rank report that its process group broke during the cell, or are the ranks out
+        of step after it (their collective sequence numbers differ)?"""
+        said = {r: protocol.meta_of(meta) for r, meta in self.reply_metadata.items()}
+        seqs = {r: m[protocol.META_SEQ] for r, m in said.items() if isinstance(m.get(protocol.META_SEQ), int)}
+        return any(m.get(protocol.META_GROUP_BROKEN) for m in said.values()) or fault_policy.out_of_step(
+            seqs, self.world)
+
+    def destroyed(self) -> list[int]:
+        """The ranks whose cell destroyed the process group (``dist.destroy_process_group()``)."""
+        return [r for r, meta in self.reply_metadata.items() if protocol.meta_of(meta).get(protocol.META_GROUP_DESTROYED)]
 
     async def _recover_group(self) -> None:
         """After a torn-down or broken group, form a fresh one on every rank (policy: after_cell)."""
@@ -435,7 +445,7 @@ class CellRun:
 
         def decide() -> str:
             return fault_policy.after_cell(self.group_broken, self.group_broke(), self.dead(),
-                                           self.group.left_running)
+                                           self.group.left_running, destroyed=self.destroyed(), world=self.world)
 
         decision = decide()
         if decision == "reform":
@@ -448,7 +458,9 @@ class CellRun:
                 if decision == "reform":
                     self.notes.append(f"Re-forming the process group failed ({e}); restart the kernel.")
                     return
-        if decision == "restart":
+        if decision == "down":
+            self.notes.append(fault_policy.DOWN)
+        elif decision == "restart":
             self.notes.append("A rank died, so the process group cannot be re-formed: restart the kernel.")
         elif decision == "later":
             self.group.reform_pending = True
@@ -478,7 +490,8 @@ def _seen(place: Place | None) -> fault_policy.Seen:
     if place is None:
         return fault_policy.Seen(answered=False)
     return fault_policy.Seen(answered=True, collective=place.collective, group_ranks=tuple(place.group_ranks),
-                             peer=place.peer, seq=place.seq, line=place.line)
+                             peer=place.peer, seq=place.seq, line=place.line, store_wait=place.store_wait,
+                             in_code=place.in_code)
 
 
 def _capture_change(msg_type: str, content: dict) -> bool:

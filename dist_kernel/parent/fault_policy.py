@@ -18,9 +18,12 @@ each busy rank waits, the time) and gets back a decision. The rules:
    a deadlock. Tear the group down on every rank. Reported within ``hang_grace``.
 4. **Interrupt.** One second after the stop button, ranks still blocked in a collective did
    not react to SIGINT (C++ does not return to Python): tear the group down on every rank.
-   Five seconds after it, ranks still busy are left behind so that the cell ends.
-5. **Stopped or silent ranks** (SIGSTOP, a debugger, C code holding the GIL) are named; the
-   group is left alone, since resuming the rank may resume the cell.
+   Five seconds after it, ranks still running the cell's code are left behind so that the cell
+   ends; a rank whose code has stopped and that is still formatting its traceback (slow on a
+   loaded machine) is waited for, up to half a minute.
+5. **Stopped or silent ranks** (SIGSTOP, a debugger, C code holding the GIL) are named (a silent
+   one once it missed two looks in a row: one miss is a loaded machine); the group is left
+   alone, since resuming the rank may resume the cell.
 6. **Ranks on other machines** (:func:`remote_culprit`). One fault there sets off others: a
    killed agent makes srun SIGTERM the agents on the other nodes; a cancelled job ends srun.
    The kernel collects what it hears for a moment and names the most specific cause: a rank
@@ -46,6 +49,9 @@ from dist_kernel.parent.magics import format_ranks
 FAST_GRACE = 1.0
 #: after an interrupt and a teardown, how long a rank may stay busy before the cell ends without it
 GIVE_UP_AFTER = 5.0
+#: how long a rank whose code has stopped may take to report it (IPython formats the traceback:
+#: about 0.2 s on an idle machine, seconds with a load of 4 on 2 cores)
+REPORT_WITHIN = 30.0
 #: how long a survivor of a dead peer may take to stop
 STOP_TIMEOUT = 3.0
 P2P = ("send", "recv", "isend", "irecv")
@@ -64,6 +70,8 @@ class Seen:
     peer: int | None = None
     seq: int | None = None
     line: str = ""
+    store_wait: bool = False  # in group creation (``new_group``), waiting in the rendezvous store
+    in_code: bool = True  # the cell's code runs; False: it ended and the rank only reports (a traceback)
 
     @property
     def blocked(self) -> bool:
@@ -131,6 +139,11 @@ class Judge:
     def __init__(self) -> None:
         self._since: dict[int, tuple[Seen, float]] = {}  # rank -> (what it was seen doing, since when)
 
+    def silent(self, seen: dict[int, Seen]) -> list[int]:
+        """Ranks that answered neither this look nor the one before (call before :meth:`judge`):
+        only those may be stuck holding the GIL. One missed answer is a loaded machine."""
+        return [r for r, s in seen.items() if not s.answered and r in self._since and not self._since[r][0].answered]
+
     def judge(self, cell: Cell, seen: dict[int, Seen], now: float) -> Verdict:
         for rank, s in seen.items():
             prev = self._since.get(rank)
@@ -160,19 +173,26 @@ class Judge:
     def _after_interrupt(self, cell: Cell, busy: list[int], seen: dict[int, Seen], now: float) -> Verdict:
         assert cell.interrupted_at is not None
         if now - cell.interrupted_at >= GIVE_UP_AFTER:
+            # a rank whose code stopped and that is only showing its traceback is waited for
+            late = now - cell.interrupted_at >= REPORT_WITHIN
+            running = [r for r in busy if late or not (r in seen and seen[r].answered and not seen[r].in_code)]
+            if not running:
+                return WAIT
             return Verdict("abandon", {r: f"rank {r} did not stop after the interrupt; it may still be "
                                           f"running (restart the kernel if it does not come back)"
-                                       for r in busy}, ename=KeyboardInterrupt.__name__)
+                                       for r in running}, ename=KeyboardInterrupt.__name__)
         if cell.torn_down:
             return WAIT
         if cell.idle:  # the interrupt ended some ranks' cells: the others now wait for them
             verdict = self._waiting_for_idle(cell, busy, seen)
-            if verdict.action != "wait":
-                return verdict
+            if verdict.action != "wait":  # one KeyboardInterrupt, not a hang the stop caused
+                return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(seen[r])}"
+                                            for r in verdict.stuck}, teardown_on=verdict.teardown_on,
+                               ename="KeyboardInterrupt")
         blocked = [r for r in busy if r in seen and seen[r].blocked]
         if blocked:
-            return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in "
-                                           f"torch.distributed.{seen[r].collective}()" for r in blocked},
+            return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(seen[r])}"
+                                       for r in blocked},
                            teardown_on=tuple(r for r in cell.world if r not in cell.dead),
                            ename=KeyboardInterrupt.__name__)
         return WAIT
@@ -184,10 +204,13 @@ class Judge:
         waiting = {r: sorted(idle & set(seen[r].group_ranks or cell.world)) for r in busy}
         if not any(waiting.values()):
             return WAIT
-        stuck = {r: f"rank {r} was blocked in torch.distributed.{seen[r].collective}(), which rank "
+        stuck = {r: f"rank {r} was blocked in {_blocked_in(seen[r])}, which rank "
                     f"{format_ranks(waiting[r] or sorted(idle))} never entered "
                     f"(idle: finished or not selected by %%rank)" for r in busy}
-        return Verdict("teardown", stuck, teardown_on=tuple(sorted(idle)))
+        # the idle ranks' teardown frees ranks blocked in a collective with them; a rank waiting
+        # in the rendezvous store (group creation) is freed by its own
+        in_store = {r for r in busy if seen[r].store_wait}
+        return Verdict("teardown", stuck, teardown_on=tuple(sorted(idle | in_store)))
 
     def _mismatched(self, cell: Cell, busy: list[int], seen: dict[int, Seen], now: float) -> Verdict:
         if not busy or any(not (r in seen and seen[r].blocked) for r in busy):
@@ -204,18 +227,25 @@ class Judge:
         return Verdict("teardown", stuck, teardown_on=tuple(r for r in cell.world if r not in cell.dead))
 
 
-Reform = Literal["none", "reform", "restart", "later"]
+Reform = Literal["none", "reform", "restart", "later", "down"]
 
 
-def after_cell(torn_down: bool, broke: bool, dead: Iterable[int], left_running: Iterable[int]) -> Reform:
+def after_cell(torn_down: bool, broke: bool, dead: Iterable[int], left_running: Iterable[int],
+               destroyed: Iterable[int] = (), world: Iterable[int] = ()) -> Reform:
     """Once a cell has ended: must the group be formed again, and can it be?
 
     ``none``: the group is fine. ``reform``: it was torn down, or a rank reported that the
-    cell's error broke it: every rank joins a fresh group (variables survive). ``restart``: a
-    rank is dead (also when it died during a re-formation), so no group can form without a new
-    rank. ``later``: a rank is still running the cell the kernel gave up on; the group is
-    formed again once it is back.
+    cell's error broke it, or the cell destroyed it (``dist.destroy_process_group()``) on some
+    ranks only, which breaks it for the others: every rank joins a fresh group (variables
+    survive). ``down``: the cell destroyed it on every rank of the ``world``: the user's choice,
+    left as it is (the cell says how to bring it back). ``restart``: a rank is dead (also when
+    it died during a re-formation), so no group can form without a new rank. ``later``: a rank
+    is still running the cell the kernel gave up on; the group is formed again once it is back.
     """
+    destroyed = set(destroyed)
+    if destroyed and not (torn_down or broke) and destroyed >= set(world):
+        return "down"
+    broke = broke or bool(destroyed)
     if not (torn_down or broke):
         return "none"
     if any(True for _ in dead):
@@ -223,6 +253,22 @@ def after_cell(torn_down: bool, broke: bool, dead: Iterable[int], left_running: 
     if any(True for _ in left_running):
         return "later"
     return "reform"
+
+
+#: what a cell that destroyed the group on every rank says: how to bring it back
+DOWN = ("\x1b[1;33mdist_kernel:\x1b[0m the process group is down on every rank (dist.destroy_process_group()); "
+        "collectives fail until it is formed again. Bring it back with dist.init_process_group() run on every "
+        "rank (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set, as torchrun sets them), or restart the "
+        "kernel.")
+
+
+def out_of_step(seqs: dict[int, int], world: Iterable[int]) -> bool:
+    """After a failed cell that every rank ran (``seqs``: each rank's collective sequence
+    number, from its reply): do they differ? An interrupt can land after a rank enqueued a
+    collective and before it waited for it: the others never enter it, so every later
+    collective pairs with the wrong one. The group must then be formed again."""
+    world = tuple(world)
+    return bool(world) and all(r in seqs for r in world) and len({seqs[r] for r in world}) > 1
 
 
 RemoteKind = Literal["exited", "lost", "launcher", "ending", "terminated"]
@@ -244,6 +290,13 @@ def remote_culprit(causes: Iterable[RemoteCause]) -> RemoteCause:
     if not heard:
         raise ValueError("no cause heard")
     return min(heard, key=lambda c: (_REMOTE_ORDER.index(c.kind), heard.index(c)))
+
+
+def _blocked_in(s: Seen) -> str:
+    """Where a blocked rank waits, in words."""
+    if s.store_wait:
+        return f"torch.distributed.{s.collective}() (group creation, which every rank must enter)"
+    return f"torch.distributed.{s.collective}()"
 
 
 def _call(s: Seen) -> str:

@@ -6,7 +6,7 @@ import html
 
 from dist_kernel.options import KernelConfig
 
-COLUMNS = [("rank", "rank"), ("pid", "pid"), ("host", "host"), ("device", "device"), ("state", "state"),
+COLUMNS = [("rank", "rank"), ("pid", "pid"), ("host", "host"), ("device", "device"), ("state", "state"), ("group", "group"),
            ("rss_mb", "RSS MB"), ("cuda_allocated_mb", "CUDA alloc MB"), ("cuda_reserved_mb", "CUDA reserved MB"),
            ("empty_cache", "empty_cache")]
 

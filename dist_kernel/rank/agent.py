@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from types import FrameType
 
 from dist_kernel.protocol import META_RANKS, META_SOLO, Done, Place, RankStatus, meta_of, with_meta
+from dist_kernel.rank import store
 
 _state: dict[str, object] = {"empty_cache": True, "busy": False}
 
@@ -47,8 +48,86 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+#: address space held back for the kernel's own work (a teardown's thread, a re-formation):
+#: freed when a cell runs out of memory, so that the rank can still take part in recovering
+RESERVE = 64 << 20
+_reserve: list = []
+
+
+def keep_reserve() -> None:
+    """Hold :data:`RESERVE` of address space (reserved, never touched: it costs no memory, but
+    counts against ``RLIMIT_AS``), unless it is held already or cannot be had."""
+    if _reserve:
+        return
+    import mmap
+
+    try:
+        _reserve.append(mmap.mmap(-1, RESERVE))
+    except (OSError, ValueError, MemoryError, OverflowError):
+        return
+
+
+def out_of_memory() -> None:
+    """A cell ran out of memory: give the reserve back, for the traceback, the teardown and the
+    re-formation that follow (held again before the next cell)."""
+    while _reserve:
+        _reserve.pop().close()
+
+
 def before_cell(info: object = None) -> None:
+    keep_reserve()
     _state["busy"] = True
+    _state["in_code"] = True
+    _state["up_at_start"] = group_up()
+
+
+def in_code() -> bool:
+    """Is the cell's own code still running (not yet showing its traceback, not finished)?
+
+    Only then does the stop button's SIGINT raise: a second one while IPython formats the
+    first one's traceback (slow on a loaded machine), or while ipykernel sends the reply,
+    would print a second error, or escape the request so that no reply is ever sent."""
+    return bool(_state.get("in_code"))
+
+
+@contextlib.contextmanager
+def showing_traceback(cell_failed: bool, error: BaseException | None = None) -> Iterator[None]:
+    """While a traceback is shown, the cell's code does not run; when the cell itself failed
+    (IPython's ``running_compiled_code``), its code is over for good. A traceback a running
+    cell shows and survives (an ipywidgets ``Output``) leaves it interruptible afterwards."""
+    before = _state.get("in_code")
+    _state["in_code"] = False
+    if isinstance(error, MemoryError):
+        out_of_memory()
+    try:
+        yield
+    finally:
+        _state["in_code"] = before and not cell_failed
+
+
+def group_seq() -> int | None:
+    """The default group's collective sequence number (None without a group): ranks that
+    disagree after an interrupted cell are out of step (one enqueued a collective the others
+    never will), and every later collective would pair with the wrong one."""
+    if not group_up():
+        return None
+    import torch.distributed as dist
+
+    return _group_info(dist.GroupMember.WORLD)[1]
+
+
+def group_up() -> bool:
+    """Is this rank's default process group initialised?"""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:  # noqa: BLE001 - a half-imported torch: no group
+        return False
+
+
+def group_destroyed() -> bool:
+    """Did the cell that just ran take the group down (``dist.destroy_process_group()``)?"""
+    return bool(_state.get("up_at_start")) and not group_up()
 
 
 def where() -> Place:
@@ -57,12 +136,18 @@ def where() -> Place:
     busy = bool(_state.get("busy"))
     if frame is None:
         return Place(collective=None, group_ranks=[], peer=None, seq=None, stack=[], line="", busy=busy)
-    collective, dist_frame = None, None
+    collective, dist_frame, public = None, None, None
     f: FrameType | None = frame
     while f is not None:  # the innermost torch.distributed call, with its arguments
         if f.f_code.co_filename.endswith("distributed_c10d.py") and f.f_code.co_name not in _WRAPPERS:
             collective, dist_frame = f.f_code.co_name, f
+        if "/torch/distributed/" in f.f_code.co_filename and not f.f_code.co_name.startswith("_") \
+                and f.f_code.co_name not in _WRAPPERS:
+            public = f.f_code.co_name  # the outermost public call: new_subgroups, not its new_group
         f = f.f_back
+    store_wait = store.waiting() and public is not None
+    if store_wait:  # group creation: name what the user called, never a private helper
+        collective = public
     group_ranks: list[int] = []
     peer = seq = None
     if dist_frame is not None:
@@ -77,7 +162,7 @@ def where() -> Place:
     cell = [fs for fs in summary if _short(fs.filename) == "cell"]
     line = f"line {cell[-1].lineno}: {cell[-1].line}" if cell else ""
     return Place(collective=collective, group_ranks=group_ranks, peer=peer, seq=seq, stack=stack,
-                 line=line, busy=busy)
+                 line=line, busy=busy, store_wait=store_wait, in_code=in_code())
 
 
 def _group_info(group: object) -> tuple[list[int], int | None]:
@@ -100,7 +185,10 @@ _GLOO_BROKEN = ("Connection closed by peer", "Connection reset by peer", "Broken
 
 
 def group_broke(exc: BaseException | None) -> bool:
-    """Did this error (or one it was raised from) come from a broken process group?"""
+    """Did this error (or one it was raised from) come from a broken process group? Or was a
+    wait in the rendezvous store given up (the ranks then disagree on which groups exist)?"""
+    if store.abandoned():
+        return True
     dist = sys.modules.get("torch.distributed")
     dist_error = getattr(dist, "DistError", None)
     for _ in range(10):
@@ -128,6 +216,7 @@ def _short(filename: str) -> str:
 def after_cell(result: object = None) -> None:
     """Return cached CUDA memory after each cell, so long sessions don't run out through the cache."""
     _state["busy"] = False
+    _state["in_code"] = False
     if not _state.get("empty_cache"):
         return
     torch = sys.modules.get("torch")
@@ -203,6 +292,7 @@ def status() -> RankStatus:
     place = where()
     return RankStatus(pid=os.getpid(), host=socket.gethostname(), device=str(_state.get("device", "?")),
                       rss_mb=rss, empty_cache=bool(_state.get("empty_cache")), busy=place.busy,
+                      group="up" if group_up() else "down",
                       line=place.line if place.busy else "", cuda_allocated_mb=cuda_alloc,
                       cuda_reserved_mb=cuda_reserved)
 
@@ -218,10 +308,12 @@ def teardown_group(peer_pids: list[int], peer_hosts: list[str] | None = None) ->
     Destroying the group makes peers blocked with this rank raise, but not this rank's own
     main thread when it is blocked itself (every rank in mismatched collectives): so the
     rank also shuts down its TCP connections to the peer ranks, which is what a dead peer
-    looks like to gloo ("Connection closed by peer"). The group is formed again afterwards.
+    looks like to gloo ("Connection closed by peer"). A wait in the rendezvous store (group
+    creation) is ended too. The group is formed again afterwards.
     """
+    released = store.release()
     cut = cut_connections(peer_pids, peer_hosts or [])
-    outcome = f"cut {cut} connection(s)"
+    outcome = f"cut {cut} connection(s)" + (", ended a wait in the store" if released else "")
     if not _state.get("busy"):
         try:
             import torch.distributed as dist

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -66,12 +67,27 @@ class RankKernel(IPythonKernel):
         self._main_loop: asyncio.AbstractEventLoop | None = None
         self.shell.events.register("pre_run_cell", agent.before_cell)
         self.shell.events.register("post_run_cell", agent.after_cell)
+        self.shell.showtraceback = self._showing(self.shell.showtraceback)
         # IOPub messages published for the running cell, counted up to its reply (see finish_metadata)
         self._counting: str | None = None
         self._published = 0
         self._told: str | None = None  # the cell whose reply carries its count: no idle for it
         self._count_lock = threading.Lock()
         self.session.send = self._counted(self.session.send)
+
+    @staticmethod
+    def _showing(show: Callable[..., Any]) -> Callable[..., Any]:
+        """``shell.showtraceback`` that tells the agent the cell's code is not running."""
+        def showtraceback(*args: Any, **kwargs: Any) -> Any:
+            with agent.showing_traceback(bool(kwargs.get("running_compiled_code")), sys.exc_info()[1]):
+                return show(*args, **kwargs)
+
+        return showtraceback
+
+    def pre_handler_hook(self) -> None:
+        """SIGINT raises only while a cell's own code runs (see :func:`agent.in_code`)."""
+        super().pre_handler_hook()
+        signal.signal(signal.SIGINT, _interrupt_cell)
 
     def _counted(self, send: Callable[..., Any]) -> Callable[..., Any]:
         """``session.send`` that counts the IOPub messages of the running cell (every thread's:
@@ -101,14 +117,20 @@ class RankKernel(IPythonKernel):
         self._main_loop = asyncio.get_event_loop()  # the shell's loop, on the main thread
 
     def finish_metadata(self, parent: dict, metadata: dict, reply_content: dict) -> dict:
-        """Tell the parent, in the execute_reply, when the cell's error broke the process group
-        (it then re-forms the group on every rank)."""
+        """Tell the parent, in the execute_reply, when the cell's error broke the process group,
+        or the cell gave up a wait in group creation (it then re-forms the group on every rank)."""
         metadata = super().finish_metadata(parent, metadata, reply_content)
         result = getattr(self.shell, "last_execution_result", None)
         error = getattr(result, "error_in_exec", None) if result is not None else None
         info: dict = {}
-        if reply_content.get("status") == "error" and agent.group_broke(error):
+        if agent.group_broke(error if reply_content.get("status") == "error" else None):
             info[protocol.META_GROUP_BROKEN] = True
+        elif agent.group_destroyed():  # the cell destroyed it: the parent decides what now
+            info[protocol.META_GROUP_DESTROYED] = True
+        if reply_content.get("status") == "error":
+            seq = agent.group_seq()  # the parent compares the ranks' (out of step: re-form)
+            if seq is not None:
+                info[protocol.META_SEQ] = seq
         # how many IOPub messages this cell published before its reply (streams are flushed by
         # now): the parent has all of its output once it holds the reply and that many
         # messages, without waiting for the idle that the IOPub thread sends after the reply
@@ -141,9 +163,11 @@ class RankKernel(IPythonKernel):
         elif isinstance(req, protocol.Teardown):
             # destroying a group can wait on its work threads: never on the control loop itself
             loop = asyncio.get_running_loop()
-            asyncio.ensure_future(self._answer(stream, ident, parent, req.op,
-                                               loop.run_in_executor(None, agent.teardown_group, req.peer_pids,
-                                                                   req.peer_hosts)))
+            try:
+                pending = loop.run_in_executor(None, agent.teardown_group, req.peer_pids, req.peer_hosts)
+            except RuntimeError:  # no thread to be had (out of memory): answer it here, late or not
+                pending = _done(loop, agent.teardown_group(req.peer_pids, req.peer_hosts))
+            asyncio.ensure_future(self._answer(stream, ident, parent, req.op, pending))
         else:
             try:
                 result = _QUICK[type(req)](req)
@@ -198,12 +222,25 @@ class RankKernel(IPythonKernel):
         super()._publish_status(status, channel, parent)
 
 
+def _interrupt_cell(signum: int, frame: Any) -> None:
+    if agent.in_code():
+        raise KeyboardInterrupt
+    # else the cell's code is over (its traceback is being shown, its reply sent): the stop
+    # this signal asked for has happened
+
+
 def _msg_id(parent: Any) -> str | None:
     """The msg_id of a parent given as a message or as its header."""
     if not isinstance(parent, dict):
         return None
     header = parent.get("header", parent)
     return header.get("msg_id") if isinstance(header, dict) else None
+
+
+def _done(loop: asyncio.AbstractEventLoop, value: Any) -> asyncio.Future:
+    fut = loop.create_future()
+    fut.set_result(value)
+    return fut
 
 
 def _settle(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:

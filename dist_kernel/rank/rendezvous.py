@@ -6,7 +6,9 @@ rendezvous goes through a ``FileStore`` in the kernel's private runtime director
 0700): no port is chosen, so there is no free-port race, two kernels never collide, and
 nothing listens on the network (``TCPStore`` binds every interface). Across machines, rank 0
 hosts a ``TCPStore`` on its node's cluster address (``MASTER_ADDR:MASTER_PORT``), kept for
-the kernel's life; each formation uses its own prefix in it. The launcher sets the
+the kernel's life; each formation uses its own prefix in it. Either is wrapped by
+:mod:`dist_kernel.rank.store`, so that a rank waiting there for peers that never come (group
+creation on some ranks only) can be freed. The launcher sets the
 interface gloo and NCCL use (loopback for local ranks, the cluster interface otherwise).
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from dist_kernel.protocol import Join
-from dist_kernel.rank import agent
+from dist_kernel.rank import agent, store
 
 
 def join(req: Join) -> str:
@@ -45,8 +47,11 @@ def join(req: Join) -> str:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - already torn down by a peer
             pass
-    dist.init_process_group(backend, store=_store(req), rank=rank,
+    meeting = _store(req)
+    dist.init_process_group(backend, store=meeting, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=req.timeout), **kwargs)
+    store.formed()
+    _master_port(req, meeting)
     _define_names(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
     agent.set_device(str(device))
     if req.first:  # later formations keep what %dist_empty_cache chose
@@ -70,7 +75,7 @@ def _store(req: Join):  # noqa: ANN202 - a torch.distributed Store
     import torch.distributed as dist
 
     if not req.store.startswith("tcp://"):
-        return dist.FileStore(req.store, req.world_size)
+        return store.endable(dist.FileStore(req.store, req.world_size))
     address, _, prefix = req.store[len("tcp://"):].partition("/")
     host, _, port = address.rpartition(":")
     if not _tcp_store:
@@ -78,7 +83,31 @@ def _store(req: Join):  # noqa: ANN202 - a torch.distributed Store
             _check_reachable(req.rank, host, int(port))
         _tcp_store.append(dist.TCPStore(host, int(port), req.world_size, is_master=req.rank == 0,
                                         timeout=timedelta(seconds=req.timeout), wait_for_workers=False))
-    return dist.PrefixStore(prefix, _tcp_store[0])
+    return dist.PrefixStore(prefix, store.endable(_tcp_store[0]))
+
+
+#: MASTER_PORT, when this module set it (one machine): a new one at each formation
+_port_set: list[str] = []
+
+
+def _master_port(req: Join, meeting) -> None:  # noqa: ANN001 - a torch.distributed Store
+    """Give the ranks a MASTER_PORT, so that ``dist.init_process_group("gloo")`` by hand (env://,
+    as under torchrun) works after a cell destroyed the group. On one machine the ranks meet in a
+    file and no port was given: rank 0 picks a free loopback port and the others read it from the
+    store. Across machines MASTER_PORT is set already (rank 0's TCPStore serves it)."""
+    import os
+    import socket
+
+    if req.store.startswith("tcp://") or (os.environ.get("MASTER_PORT") and not _port_set):
+        return
+    key = "dist_kernel/master_port"
+    if req.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            meeting.set(key, str(s.getsockname()[1]))
+    port = meeting.get(key).decode()
+    os.environ["MASTER_PORT"] = port
+    _port_set[:] = [port]
 
 
 def _check_reachable(rank: int, host: str, port: int) -> None:

@@ -15,7 +15,7 @@ import time
 
 import psutil
 import pytest
-from harness import DistKernel
+from harness import GROUP_SETUP, DistKernel, assert_group_works_and_variables_survived, error_of
 
 pytestmark = pytest.mark.slow
 
@@ -23,19 +23,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def fault_kernel():
     k = DistKernel("--ranks", "2", "--hang-grace", "2")
-    k.execute("import torch, torch.distributed as dist, os, time\nkept = 100 + rank")
+    k.execute(GROUP_SETUP)
     yield k
     k.shutdown()
-
-
-def error_of(res):
-    (err,) = res.of_type("error")
-    return err.content
-
-
-def assert_group_works_and_variables_survived(k: DistKernel) -> None:
-    res = k.execute("t = torch.ones(1)\ndist.all_reduce(t)\nprint(int(t.item()), kept)", timeout=30)
-    assert res.stream() == "[rank 0] 2 100\n[rank 1] 2 101\n"
 
 
 # ------------------------------------------------------------------ 1, 2: collectives
@@ -74,6 +64,14 @@ def test_a_long_computation_in_a_single_rank_cell_is_left_alone(fault_kernel):
     assert_group_works_and_variables_survived(fault_kernel)
 
 
+def test_a_rank_holding_the_gil_is_named_once_it_misses_two_looks(fault_kernel):
+    res = fault_kernel.execute("%%rank 0\nimport ctypes\nctypes.PyDLL(None).sleep(8)  # keeps the GIL",
+                               timeout=60)
+    assert res.status == "ok"
+    assert "rank 0 (pid" in res.stream("stderr") and "holds the GIL" in res.stream("stderr")
+    assert_group_works_and_variables_survived(fault_kernel)
+
+
 # ------------------------------------------------------------------ 3: a rank dies
 @pytest.mark.parametrize("how,words", [("os._exit(3)", "exited with code 3"),
                                        ("os.kill(os.getpid(), 9)", "killed by SIGKILL")])
@@ -95,29 +93,59 @@ def test_a_rank_busy_computing_when_another_dies_is_stopped(fault_kernel):
     assert "rank 1: RankDiedError" in err["evalue"] and "rank 0" in err["evalue"]
 
 
+OUT_OF_MEMORY = (
+    "import resource\n"
+    "if rank == 1:  # rank 1 runs out of memory and keeps what it took, while rank 0 waits for it\n"
+    "    used = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+    "    resource.setrlimit(resource.RLIMIT_AS, (used + {headroom} * 2**20, resource.RLIM_INFINITY))\n"
+    "    hog = []\n"
+    "    while True:\n"
+    "        hog.append(bytearray({chunk} * 2**20))\n"
+    "t = torch.ones(1)\ndist.all_reduce(t)")
+
+
+@pytest.mark.parametrize("headroom,chunk", [(300, 20), (301, 1), (256, 8)])
+def test_a_rank_out_of_memory_inside_a_collective_ends_the_cell_by_itself_and_the_group_is_re_formed(
+        fault_kernel, headroom, chunk):
+    # the chunks leave rank 1 from nothing up to a chunk of address space when MemoryError hits
+    res = fault_kernel.execute(OUT_OF_MEMORY.format(headroom=headroom, chunk=chunk), timeout=30)
+    err = error_of(res)
+    assert "rank 1: MemoryError" in err["evalue"] and "rank 0: CollectiveHangError" in err["evalue"], err
+    assert "did not confirm" not in res.stream("stderr")
+    assert "re-formed" in "\n".join(err["traceback"])
+    assert_group_works_and_variables_survived(fault_kernel)
+    res = fault_kernel.execute("%%rank 1\ndel hog\nresource.setrlimit(resource.RLIMIT_AS, "
+                               "(resource.RLIM_INFINITY, resource.RLIM_INFINITY))", timeout=30)
+    assert res.status == "ok", res.outputs
+
+
 # ------------------------------------------------------------------ 4: interrupt
 def test_interrupt_while_a_rank_is_blocked_in_a_collective_returns(fault_kernel):
     threading.Timer(1.5, fault_kernel.km.interrupt_kernel).start()
     res = fault_kernel.execute("if rank == 1:\n    time.sleep(600)\nt = torch.ones(1)\ndist.all_reduce(t)",
                                timeout=30)
     err = error_of(res)
-    assert "KeyboardInterrupt" in err["evalue"] and "CollectiveHangError" in err["evalue"]
+    # one KeyboardInterrupt: rank 1 stopped; rank 0, whose collective rank 1 left, was freed
+    assert err["ename"] == "KeyboardInterrupt", err
+    assert "rank 0 was interrupted while blocked in torch.distributed.all_reduce()" in err["evalue"]
     assert_group_works_and_variables_survived(fault_kernel)
 
 
 # ------------------------------------------------------------------ 5, 6: lifecycle
-def runtime_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), "dist_kernel-*")))
+def runtime_dirs(*owners: int) -> set[str]:
+    """The runtime directories of the kernels whose parent pids are named. Other kernels come
+    and go on the same machine (a second suite, other users): a test counts only its own."""
+    base = os.environ.get("TMPDIR", "/tmp")
+    return {d for pid in owners for d in glob.glob(os.path.join(base, f"dist_kernel-{pid}-*"))}
 
 
 def test_killing_the_parent_ends_every_rank_and_leaves_no_files_or_ports():
-    before = runtime_dirs()
     k = DistKernel("--ranks", "2")
     k.execute("import torch.distributed as dist")
     ranks = [psutil.Process(p) for p in k.rank_pids()]
     family = psutil.Process(k.pid).children(recursive=True)  # ranks and the reaper
     ports = {c.laddr.port for r in ranks for c in r.net_connections("inet") if c.status == psutil.CONN_LISTEN}
-    mine = runtime_dirs() - before
+    mine = runtime_dirs(k.pid)
     assert len(ranks) == 2 and len(mine) == 1
     os.kill(k.pid, signal.SIGKILL)
     _, alive = psutil.wait_procs(family, timeout=5)
@@ -133,11 +161,10 @@ def test_killing_the_parent_ends_every_rank_and_leaves_no_files_or_ports():
 def test_killing_the_parent_ends_ranks_stuck_in_c_code_holding_the_gil():
     # A rank blocked in C code that holds the GIL (a CUDA sync in .item(), a C extension)
     # cannot run any thread of its own: the OS and the parent's reaper must end it.
-    before = runtime_dirs()
     k = DistKernel("--ranks", "2")
     k.execute("import ctypes")
     family = psutil.Process(k.pid).children(recursive=True)  # ranks and the reaper
-    mine = runtime_dirs() - before
+    mine = runtime_dirs(k.pid)
     k.kc.execute("ctypes.PyDLL(None).sleep(120)")  # PyDLL keeps the GIL for the whole call
     time.sleep(1.5)
     os.kill(k.pid, signal.SIGKILL)
@@ -152,23 +179,23 @@ def test_killing_the_parent_ends_ranks_stuck_in_c_code_holding_the_gil():
 
 
 def test_ten_restarts_leave_nothing_behind():
-    before_dirs = runtime_dirs()
     k = DistKernel("--ranks", "2")
+    parents = [k.pid]  # each restart starts a new parent process, with its own runtime dir
     try:
         k.execute("x = 1")
-        parent = psutil.Process(k.pid)
         for _ in range(10):
             k.km.restart_kernel(now=False)
+            parents.append(k.pid)
             k.kc.wait_for_ready(timeout=60)
             assert k.execute("print(world_size)", timeout=60).stream() == "2\n"
         parent = psutil.Process(k.pid)
         ranks = k.rank_pids()
         assert len(ranks) == 2  # only the current ranks exist
-        assert len(runtime_dirs() - before_dirs) == 1
+        assert runtime_dirs(*parents) == runtime_dirs(k.pid) and len(runtime_dirs(k.pid)) == 1
         assert parent.num_fds() < 200
     finally:
         k.shutdown()
-    assert runtime_dirs() - before_dirs == set()
+    assert runtime_dirs(*parents) == set()
 
 
 def test_several_kernels_side_by_side_do_not_interfere():

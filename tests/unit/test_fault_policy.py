@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_kernel.parent.fault_policy import Cell, Judge, Seen, after_cell, look_due
+from dist_kernel.parent.fault_policy import Cell, Judge, Seen, after_cell, look_due, out_of_step
 
 WORLD = (0, 1)
 
@@ -85,6 +85,15 @@ def test_a_sub_group_collective_missing_a_finished_member_is_torn_down():
     assert "which rank 2 never entered" in v.stuck[0]
 
 
+def test_group_creation_that_a_left_out_rank_never_enters_is_ended_on_the_waiting_rank_too():
+    waiting = Seen(answered=True, collective="new_group", group_ranks=WORLD, store_wait=True, line="line 1: ...")
+    v = Judge().judge(cell(ranks=(0,), busy=(0,)), {0: waiting}, now=10.0)
+    # the idle rank's teardown cannot reach a wait in the rendezvous store: rank 0 ends its own
+    assert v.action == "teardown" and v.teardown_on == (0, 1)
+    assert v.stuck[0] == ("rank 0 was blocked in torch.distributed.new_group() (group creation, which every "
+                          "rank must enter), which rank 1 never entered (idle: finished or not selected by %%rank)")
+
+
 def test_a_rank_that_does_not_answer_is_never_torn_down_for():
     c = cell(busy=(0,), first_finished=0.0)
     assert Judge().judge(c, {0: Seen(answered=False)}, now=60.0).action == "wait"
@@ -151,10 +160,36 @@ def test_an_interrupt_that_a_blocked_rank_cannot_see_tears_the_group_down_everyw
     assert v.action == "teardown" and v.teardown_on == (0, 1) and v.ename == "KeyboardInterrupt"
 
 
-def test_an_interrupt_that_ends_one_rank_reports_the_other_as_waiting_for_it():
+def test_an_interrupt_that_ends_one_rank_frees_the_other_and_both_report_the_interrupt():
     c = cell(busy=(0,), first_finished=10.5, interrupted_at=10.0)
     v = Judge().judge(c, {0: blocked("all_reduce")}, now=11.0)
-    assert v.action == "teardown" and v.ename == "CollectiveHangError" and v.teardown_on == (1,)
+    # the stop button caused the wait: one KeyboardInterrupt, not a hang "rank 1 never entered"
+    assert v.action == "teardown" and v.ename == "KeyboardInterrupt" and v.teardown_on == (1,)
+    assert v.stuck == {0: "rank 0 was interrupted while blocked in torch.distributed.all_reduce()"}
+
+
+def test_a_rank_that_stopped_and_is_still_showing_its_traceback_is_waited_for_not_left_behind():
+    c = cell(busy=(0, 1), interrupted_at=10.0)
+    reporting = Seen(answered=True, collective=None, in_code=False)
+    v = Judge().judge(c, {0: reporting, 1: COMPUTING}, now=15.0)
+    assert v.action == "abandon" and list(v.stuck) == [1]  # rank 1's code still runs
+    assert Judge().judge(cell(busy=(0,), interrupted_at=10.0), {0: reporting}, now=15.0).action == "wait"
+    assert Judge().judge(cell(busy=(0,), interrupted_at=10.0), {0: reporting}, now=40.0).action == "abandon"
+
+
+def test_a_rank_is_called_silent_only_when_it_missed_two_looks_in_a_row():
+    judge, quiet = Judge(), {0: Seen(answered=False)}
+    assert judge.silent(quiet) == []  # the first miss: a loaded machine answers late
+    judge.judge(cell(), quiet, now=5.0)
+    assert judge.silent(quiet) == [0]
+    judge.judge(cell(), {0: COMPUTING}, now=10.0)
+    assert judge.silent(quiet) == []
+
+
+def test_ranks_out_of_step_after_a_failed_cell_are_formed_again():
+    assert out_of_step({0: 7, 1: 6}, WORLD)
+    assert not out_of_step({0: 7, 1: 7}, WORLD)
+    assert not out_of_step({0: 7}, WORLD)  # a rank that did not run the cell says nothing
 
 
 def test_an_interrupt_during_a_teardown_waits_for_the_ranks_to_raise_then_gives_up():
@@ -196,6 +231,16 @@ def test_a_rank_dead_before_or_during_a_reformation_means_a_restart():
 
 def test_a_reformation_waits_for_a_rank_left_running():
     assert after_cell(torn_down=True, broke=False, dead=(), left_running=(1,)) == "later"
+
+
+def test_a_group_the_cell_destroyed_on_every_rank_is_left_down_for_the_user():
+    assert after_cell(torn_down=False, broke=False, dead=(), left_running=(), destroyed=(0, 1), world=WORLD) == "down"
+
+
+def test_a_group_destroyed_on_some_ranks_only_is_broken_for_the_others_and_formed_again():
+    assert after_cell(torn_down=False, broke=False, dead=(), left_running=(), destroyed=(1,), world=WORLD) == "reform"
+    assert after_cell(torn_down=False, broke=False, dead=(0,), left_running=(), destroyed=(1,),
+                      world=WORLD) == "restart"
 
 
 # ------------------------------------------------------------ rule 6: ranks on other machines
