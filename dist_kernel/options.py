@@ -137,7 +137,6 @@ class Option:
 
 _SUPERVISOR = "dist_kernel.parent.supervisor"
 _KERNEL = "dist_kernel.parent.kernel"
-_CLUSTER = "dist_kernel.parent.cluster"
 _REMOTE = "dist_kernel.parent.remote"
 
 #: every kernel option, in the order of the help and of a kernelspec's argv
@@ -167,17 +166,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("rich_output", choice(*OUTPUT_POLICIES), "all", "rich output from every rank (merged) or "
            "from rank 0 only (default {default})", _KERNEL, metavar="all|rank0"),
     Option("launcher", choice(*LAUNCHERS), "local", "where the ranks run: this machine, nodes started by "
-           "srun, or hosts reached by ssh (default {default})", _CLUSTER, metavar="local|slurm|ssh"),
+           "srun, or hosts reached by ssh (default {default})", _REMOTE, metavar="local|slurm|ssh"),
     Option("nodes", whole(1), "1", "number of machines (slurm/ssh; default: 1 for slurm, the number of "
            "--hosts for ssh)", _REMOTE, metavar="N"),
     Option("ranks_per_node", whole(1), None, "ranks on each node (slurm/ssh; default: the number of "
            "--gpus, else 1)", _SUPERVISOR, metavar="G"),
     Option("hosts", verbatim, None, "comma list of hosts to start the ranks on, node 0 first (ssh only)",
-           _CLUSTER, metavar="H1,H2"),
+           "dist_kernel.parent.ssh", metavar="H1,H2"),
     Option("slurm_args", verbatim, None, "extra srun/salloc arguments, e.g. \"--partition gpu --time "
-           "2:00:00\" (slurm only)", _CLUSTER, metavar="ARGS"),
+           "2:00:00\" (slurm only)", "dist_kernel.parent.slurm", metavar="ARGS"),
     Option("listen", verbatim, None, "the parent's address as the nodes see it, no port (slurm/ssh; "
-           "default: this machine's address on its route to the nodes)", _CLUSTER, metavar="ADDR"),
+           "default: this machine's address on its route to the nodes)", "dist_kernel.parent.listen", metavar="ADDR"),
     Option("port_range", verbatim, None, "ports to listen on and for rank 0's rendezvous (slurm/ssh; "
            "default: random free ports)", _REMOTE, metavar="A-B"),
     Option("oversubscribe", switch, "off", "start more ranks than this machine's memory or CPU cores "

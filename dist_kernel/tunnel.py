@@ -39,7 +39,7 @@ CTL = b"ctl"
 MSG = b"msg"
 #: the Jupyter channels a rank's messages travel on
 CHANNELS = (b"shell", b"control", b"stdin", b"iopub")
-#: the IPC "ports" of a rank's channels: a rank on a node and its stand-in on the parent alike
+#: the IPC "ports" of a rank's channels on its node
 IPC_PORTS = {b"shell": 1, b"iopub": 2, b"stdin": 3, b"control": 4, b"hb": 5}
 
 

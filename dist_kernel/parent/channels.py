@@ -6,28 +6,26 @@ comm message); what no listener claims goes to one fallback (late output of a fi
 cell, comm messages). Typed requests of :mod:`dist_kernel.protocol` travel on the control
 channel, which the rank answers from its own thread while its shell is busy.
 
-The sockets are read from the event loop (``add_reader`` on each socket's ZMQ file
-descriptor) and messages are decoded only as far as routing needs (issue 14): every
+A rank's frames travel on a :class:`Wire`: on this machine its own sockets, read from the
+event loop (``add_reader`` on each socket's ZMQ file descriptor); on another machine its node
+agent's connection (remote.py), which hands the frames over directly. Messages are decoded only as far as routing needs (issue 14): every
 message's HMAC signature is checked, headers are plain JSON (no date parsing), and a
 ``status`` other than ``idle``, an ``execute_input``, or an ``idle`` nobody listens for is
 dropped before its metadata is read. jupyter_client's channels would parse every header's
 dates, wake one ZMQ context thread per rank and pass each message through two futures.
-The client object the launcher gives us (an ``AsyncKernelClient``) is used for its
-connection info, its session (key, identity) and its liveness check only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import inspect
 import itertools
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 from jupyter_client.session import DELIM, Session
@@ -77,52 +75,43 @@ class BadMessage(ValueError):
     """A message that is unsigned, wrongly signed, replayed or malformed: dropped."""
 
 
-class RankChannel:
-    """Talks to one rank kernel over its shell, control, IOPub and stdin sockets.
+class Wire(Protocol):
+    """How one rank's channel frames travel: sockets of its own on this machine
+    (:class:`SocketWire`), or its node agent's connection for a rank elsewhere (remote.py)."""
 
-    ``client``: a jupyter_client ``KernelClient`` for the rank (its connection info and
-    session are used, and its ``is_alive`` while waiting for the rank), or a connection dict.
-    """
+    def connect(self, identity: bytes) -> None:
+        """Reach the rank as ``identity`` (the rank answers ``input()`` to the shell sender's)."""
 
-    def __init__(self, rank: int, client: Any, log: logging.Logger,
-                 on_unrouted: Callable[[int, dict], None], on_stdin: Callable[[int, dict], None]) -> None:
-        self.rank = rank
-        self.log = log
-        self._on_unrouted = on_unrouted
-        self._on_stdin = on_stdin
-        if isinstance(client, dict):
-            self.kc = None
-            self.info = dict(client)
-            key = self.info.get("key", b"")
-            self.session = Session(key=key.encode() if isinstance(key, str) else key,
-                                   signature_scheme=self.info.get("signature_scheme", "hmac-sha256"))
-        else:
-            self.kc = client
-            self.info = client.get_connection_info(session=False)
-            self.session = client.session
-        self._auth = self.session.auth  # None: no key, messages are not signed (as jupyter_client)
-        self._digests: set[bytes] = set()
-        self._ids = itertools.count()
-        self._id_prefix = f"{self.session.session}_{os.getpid()}"
-        self._listeners: dict[str, IOPubHandler] = {}
-        self._pending: dict[str, asyncio.Future] = {}
+    def open(self, deliver: Callable[[str, list[bytes]], None]) -> None:
+        """From now on, hand every incoming message (its channel's name, its frames) to
+        ``deliver``, on the running event loop."""
+
+    def send(self, channel: str, frames: list) -> None:
+        """One message to the rank on ``channel`` (shell, control or stdin)."""
+
+    def close(self) -> None: ...
+
+
+class SocketWire:
+    """A rank's four channels on raw ZMQ sockets of its own, read from the event loop
+    (``add_reader`` on each socket's ZMQ file descriptor). No high-water mark on any socket:
+    ZMQ's default of 1000 queued messages drops a burst of outputs, and with it a cell's
+    final ``idle``."""
+
+    def __init__(self, info: dict) -> None:
+        self.info = info
         self._sockets: dict[str, zmq.Socket] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._heard_iopub: asyncio.Event | None = None
+        self._deliver: Callable[[str, list[bytes]], None] | None = None
         self.closing = False
-        self.dead: Exception | None = None
 
-    # ------------------------------------------------------------- connecting
     def _url(self, channel: str) -> str:
         transport, ip, port = self.info.get("transport", "tcp"), self.info["ip"], self.info[f"{channel}_port"]
         return f"tcp://{ip}:{port}" if transport == "tcp" else f"{transport}://{ip}-{port}"
 
-    def start(self) -> None:
-        """Connect. No high-water mark on any socket: ZMQ's default of 1000 queued messages
-        drops a burst of outputs, and with it a cell's final ``idle``."""
+    def connect(self, identity: bytes) -> None:
+        """Connect; what arrives waits in the sockets until :meth:`open`."""
         ctx = _context()
-        identity = self.session.bsession
-        curve = getattr(self.kc, "curve_publickey", None) if self.kc is not None else None
         for channel, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("stdin", zmq.DEALER),
                               ("iopub", zmq.SUB)):
             sock = ctx.socket(kind)
@@ -134,26 +123,102 @@ class RankChannel:
                 sock.identity = identity
             else:
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
-            if curve is not None:
-                sock.curve_secretkey = self.kc.curve_secretkey
-                sock.curve_publickey = curve
-                sock.curve_serverkey = curve
             sock.connect(self._url(channel))
             self._sockets[channel] = sock
+
+    def open(self, deliver: Callable[[str, list[bytes]], None]) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._deliver = deliver
+        for channel, sock in self._sockets.items():
+            loop.add_reader(sock.getsockopt(zmq.FD), self._drain, channel, sock)
+            loop.call_soon(self._drain, channel, sock)
+
+    def send(self, channel: str, frames: list) -> None:
+        sock = self._sockets[channel]
+        sock.send_multipart(frames)
+        if self._loop is not None:
+            # a send can swallow the edge of ZMQ's file descriptor: look for replies now too
+            self._loop.call_soon(self._drain, channel, sock)
+
+    def _drain(self, channel: str, sock: zmq.Socket) -> None:
+        """Hand on what the socket holds, at most ``_BATCH`` messages per turn of the loop
+        (a flood must not starve the cell's ticks, interrupts or the other ranks)."""
+        if self.closing or sock.closed or self._deliver is None:
+            return
+        try:
+            for _ in range(_BATCH):
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                self._deliver(channel, sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.ZMQError:
+            return  # closed meanwhile, or nothing after all (EAGAIN)
+        # more may be waiting: ZMQ's descriptor signals edges, so come back after a turn
+        if self._loop is not None:
+            self._loop.call_soon(self._drain, channel, sock)
+
+    def close(self) -> None:
+        self.closing = True
+        for sock in self._sockets.values():
+            if sock.closed:
+                continue
+            if self._loop is not None and not self._loop.is_closed():
+                try:
+                    self._loop.remove_reader(sock.getsockopt(zmq.FD))
+                except Exception:  # noqa: BLE001 - already removed, or the loop is gone
+                    pass
+            try:
+                sock.close(linger=0)
+            except Exception:  # noqa: BLE001 - already closed
+                pass
+
+
+class RankChannel:
+    """Talks to one rank kernel over its shell, control, IOPub and stdin channels.
+
+    ``connection``: the rank's Jupyter connection info (its HMAC key and signature scheme;
+    where its sockets are, unless ``wire`` says how to reach them). ``alive``: whether the rank
+    process still runs, asked while waiting for it to start (default: assume so).
+    """
+
+    def __init__(self, rank: int, connection: dict, log: logging.Logger,
+                 on_unrouted: Callable[[int, dict], None], on_stdin: Callable[[int, dict], None],
+                 wire: Wire | None = None, alive: Callable[[], Awaitable[bool]] | None = None) -> None:
+        self.rank = rank
+        self.log = log
+        self._on_unrouted = on_unrouted
+        self._on_stdin = on_stdin
+        self.info = dict(connection)
+        key = self.info.get("key", b"")
+        self.session = Session(key=key.encode() if isinstance(key, str) else key,
+                               signature_scheme=self.info.get("signature_scheme", "hmac-sha256"))
+        self.wire: Wire = wire if wire is not None else SocketWire(self.info)
+        self._alive = alive
+        self._auth = self.session.auth  # None: no key, messages are not signed (as jupyter_client)
+        self._digests: set[bytes] = set()
+        self._ids = itertools.count()
+        self._id_prefix = f"{self.session.session}_{os.getpid()}"
+        self._listeners: dict[str, IOPubHandler] = {}
+        self._pending: dict[str, asyncio.Future] = {}
+        self._handlers: dict[str, Callable[[dict], None]] = {
+            "iopub": self._on_iopub, "shell": self._resolve_shell, "control": self._resolve, "stdin": self._route_stdin}
+        self._replies_held = False
+        self._heard_iopub: asyncio.Event | None = None
+        self.closing = False
+        self.dead: Exception | None = None
+
+    # ------------------------------------------------------------- connecting
+    def start(self) -> None:
+        """Connect (messages wait on the wire until :meth:`wait_for_ready` reads them)."""
+        self.wire.connect(self.session.bsession)
 
     async def wait_for_ready(self, timeout: float) -> None:
         """Read from now on, and wait until the rank answers ``kernel_info`` on its shell and
         its IOPub is heard (a SUB socket misses what is published before it has joined).
         RuntimeError if the rank dies first or does not answer in ``timeout`` seconds."""
         loop = asyncio.get_running_loop()
-        self._loop = loop
         self._heard_iopub = asyncio.Event()
-        handlers = {"iopub": self._on_iopub, "shell": self._resolve, "control": self._resolve,
-                    "stdin": self._route_stdin}
-        for channel, handle in handlers.items():
-            sock = self._sockets[channel]
-            loop.add_reader(sock.getsockopt(zmq.FD), self._drain, channel, sock, handle)
-            loop.call_soon(self._drain, channel, sock, handle)
+        self.wire.open(self._take)
         deadline = loop.time() + timeout
         while True:
             self._heard_iopub.clear()
@@ -173,10 +238,7 @@ class RankChannel:
                 raise RuntimeError(f"Kernel didn't respond in {timeout:g} seconds")
 
     async def _is_alive(self) -> bool:
-        if self.kc is None:
-            return True
-        alive = self.kc.is_alive()
-        return bool(await alive) if inspect.isawaitable(alive) else bool(alive)
+        return True if self._alive is None else bool(await self._alive())
 
     # ------------------------------------------------------------- sending
     def listen(self, msg_id: str, handler: IOPubHandler) -> None:
@@ -208,14 +270,7 @@ class RankChannel:
                   "session": session.session, "version": _PROTOCOL_VERSION,
                   "date": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
         parts = [session.pack(header), b"{}", session.pack(metadata or {}), session.pack(content)]
-        sock = self._sockets[channel]
-        sock.send_multipart([DELIM, session.sign(parts), *parts, *(buffers or ())])
-        if self._loop is not None:
-            # a send can swallow the edge of ZMQ's file descriptor: look for replies now too
-            self._loop.call_soon(self._drain, channel, sock, self._handler(channel))
-
-    def _handler(self, channel: str) -> Callable[[dict], None]:
-        return self._route_stdin if channel == "stdin" else self._resolve
+        self.wire.send(channel, [DELIM, session.sign(parts), *parts, *(buffers or ())])
 
     async def shell_request(self, msg_type: str, content: dict, timeout: float = 10.0) -> dict:
         """Round trip of one shell request (completion, inspection, ...); the reply content."""
@@ -248,37 +303,23 @@ class RankChannel:
             self._send("stdin", f"{self._id_prefix}_{next(self._ids)}", "input_reply", {"value": value})
 
     # ------------------------------------------------------------- reading
-    def _drain(self, channel: str, sock: zmq.Socket, handle: Callable[[dict], None]) -> None:
-        """Handle what the socket holds, at most ``_BATCH`` messages per turn of the loop.
-
+    def _take(self, channel: str, frames: list[bytes]) -> None:
+        """One message from the wire: checked, decoded as far as routing needs, handled.
         A message with a bad HMAC signature (or malformed) is dropped, and one bad message
         never stops the reading."""
-        if self.closing or sock.closed:
+        if self.closing:
             return
         try:
-            for _ in range(_BATCH):
-                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    return
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-                try:
-                    handle_frames = self._decode_iopub if channel == "iopub" else self._decode
-                    msg = handle_frames(frames)
-                except (BadMessage, ValueError, KeyError, TypeError, IndexError) as e:
-                    self.log.warning("rank %d: dropped a %s message: %s", self.rank, channel, e)
-                    continue
-                if msg is None:
-                    continue
-                try:
-                    handle(msg)
-                except Exception:  # noqa: BLE001
-                    self.log.exception("rank %d: error handling %s %s", self.rank, channel, msg.get("msg_type"))
-        except zmq.ZMQError as e:
-            if not (self.closing or sock.closed or e.errno == zmq.EAGAIN):
-                self.log.warning("rank %d: %s reader: %s", self.rank, channel, e)
+            msg = self._decode_iopub(frames) if channel == "iopub" else self._decode(frames)
+        except (BadMessage, ValueError, KeyError, TypeError, IndexError) as e:
+            self.log.warning("rank %d: dropped a %s message: %s", self.rank, channel, e)
             return
-        # more may be waiting: ZMQ's descriptor signals edges, so come back after a turn
-        if self._loop is not None:
-            self._loop.call_soon(self._drain, channel, sock, handle)
+        if msg is None:
+            return
+        try:
+            self._handlers[channel](msg)
+        except Exception:  # noqa: BLE001
+            self.log.exception("rank %d: error handling %s %s", self.rank, channel, msg.get("msg_type"))
 
     def _verify(self, frames: list[bytes]) -> int:
         """Check the signature of a message; the index of its header frame."""
@@ -343,6 +384,17 @@ class RankChannel:
         if fut is not None and not fut.done():
             fut.set_result(msg)
 
+    def _resolve_shell(self, msg: dict) -> None:
+        if not self._replies_held:
+            self._resolve(msg)
+
+    def hold_replies(self) -> None:
+        """Shell replies from now on are not handed on: the rank is about to be declared gone
+        (:meth:`fail_pending` then fails what waits on them, naming why). A fault that takes
+        every rank is settling, and this rank's own error (a broken connection to the rank that
+        died) is not what happened."""
+        self._replies_held = True
+
     def _route_stdin(self, msg: dict) -> None:
         if msg["msg_type"] == "input_request":
             self._on_stdin(self.rank, msg)
@@ -358,15 +410,4 @@ class RankChannel:
 
     def close(self) -> None:
         self.closing = True
-        for sock in self._sockets.values():
-            if sock.closed:
-                continue
-            if self._loop is not None and not self._loop.is_closed():
-                try:
-                    self._loop.remove_reader(sock.getsockopt(zmq.FD))
-                except Exception:  # noqa: BLE001 - already removed, or the loop is gone
-                    pass
-            try:
-                sock.close(linger=0)
-            except Exception:  # noqa: BLE001 - already closed
-                pass
+        self.wire.close()

@@ -1,41 +1,117 @@
-"""Launching rank processes: where and how each one starts, and how it is signalled.
+"""The launcher seam: how a gang of rank processes comes to exist, is signalled and ends.
 
-This is the one place that knows how a rank process comes to exist. :class:`LocalLauncher`
-starts each rank on this machine through jupyter_client, on IPC sockets in the kernel's
-private runtime directory, each with its own HMAC key; the next launchers (Slurm, SSH)
-implement the same small interface. Everything above it (channels, formation, faults) only
-sees a :class:`RankProcess` and a connected jupyter_client client.
+The supervisor sees only this interface. A :class:`GangLauncher` starts the ranks
+(:meth:`~GangLauncher.start`, in waves of at most :attr:`~GangLauncher.wave` ranks that are
+starting at once), signals them, stops them, and says what an outsider needs to end them
+(:meth:`~GangLauncher.state`). Each rank is a :class:`RankHandle` whose methods carry
+jupyter_client's provisioner names (``poll``, ``send_signal``, ``kill``, ``terminate``), and
+a :class:`~dist_kernel.parent.channels.Wire` the rank's channel talks over.
+
+:class:`LocalLauncher` starts each rank on this machine through jupyter_client (on IPC
+sockets in the kernel's private runtime directory, each with its own HMAC key) and signals it
+through ``km.provisioner``; :class:`~dist_kernel.parent.remote.RemoteLauncher` starts node
+agents through Slurm or SSH, which start the ranks.
 """
 
 from __future__ import annotations
 
-import contextlib
+import abc
+import asyncio
 import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 
 from dist_kernel.options import KernelConfig
+from dist_kernel.parent.channels import SocketWire, Wire
+from dist_kernel.parent.fault_policy import RemoteCause
+from dist_kernel.parent.reaper import write_pids
 from dist_kernel.placement import rank_env
 
 #: gloo and NCCL talk over loopback: every rank of a local kernel is on this machine
 LOOPBACK = "lo"
+#: at most this many local ranks start at once (process start to answering kernel_info): a
+#: kernel with many ranks must not starve its own parent, which answers the frontend
+START_WAVE = max(4, (os.cpu_count() or 1) // 2)
 
 
-class _RankSpecManager(KernelSpecManager):
-    """Hands jupyter_client the rank kernel's spec, bound to this interpreter."""
+class RankHandle(Protocol):
+    """One launched rank, as a launcher hands it out; provisioner method names."""
 
-    extra_argv: list[str] = []
+    rank: int
+    #: what ``poll()`` last saw: the exit code (negative: the signal), None while it runs
+    returncode: int | None
 
-    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:  # noqa: ARG002
-        return KernelSpec(
-            argv=[sys.executable, "-m", "dist_kernel.rank", "-f", "{connection_file}", *self.extra_argv],
-            display_name="dist_kernel rank", language="python", interrupt_mode="signal",
-        )
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def host(self) -> str:
+        """The machine of a rank on another machine ("" on this one)."""
+    @property
+    def address(self) -> str:
+        """That machine's cluster address ("" on this one): how its peers are named."""
+
+    async def poll(self) -> int | None: ...
+    async def send_signal(self, signum: int) -> None: ...
+    async def kill(self) -> None: ...
+    async def terminate(self) -> None: ...
+    def exit_reason(self) -> str:
+        """Why it is gone, in words, as of the last ``poll()``; "" while it runs."""
+    def os_state(self) -> str:
+        """The process state letter (``T`` when stopped); "" when unknown."""
+    def log_tail(self, lines: int = 30) -> str: ...
+    def wire(self) -> tuple[dict, Wire]:
+        """The rank's Jupyter connection info (its HMAC key) and the wire to its channels."""
+
+
+class GangLauncher(abc.ABC):
+    """Starts, signals and ends the ranks of one kernel."""
+
+    #: how many ranks may be starting at once (:data:`START_WAVE` on one machine)
+    wave: int
+
+    #: told of a fault that takes the whole gang (a node lost, the launcher gone): the supervisor
+    #: hears for a moment, names the cause and stops every rank
+    on_fault: Callable[[RemoteCause], None] = staticmethod(lambda cause: None)  # type: ignore[assignment]
+
+    @abc.abstractmethod
+    def start(self, ranks: int) -> AsyncIterator[RankHandle]:
+        """Start ``ranks`` ranks, yielding each handle once its process exists. The caller
+        takes the next one only when a wave slot is free: taking it launches it."""
+
+    @abc.abstractmethod
+    async def stop(self, now: bool = False) -> None:
+        """End every rank (``now``: no shutdown request first); idempotent."""
+
+    @abc.abstractmethod
+    def stop_now(self) -> None:
+        """Last resort from any thread (atexit, SIGTERM): end what can be ended without waiting."""
+
+    async def signal(self, ranks: list[RankHandle], signum: int) -> None:
+        """Send ``signum`` to these ranks (their process groups: workers too)."""
+        for handle in ranks:
+            await handle.send_signal(signum)
+
+    @abc.abstractmethod
+    def store(self, generation: int) -> str:
+        """Where formation number ``generation`` of the group meets (``Join.store``)."""
+
+    def failure(self) -> str | None:
+        """How the launcher itself failed (srun/ssh ended), or None."""
+        return None
+
+    @abc.abstractmethod
+    def state(self) -> dict:
+        """What an outsider (the reaper, the next kernel's sweep) needs to end this gang."""
+
+    @abc.abstractmethod
+    def record(self) -> None:
+        """Write :meth:`state` where the reaper reads it."""
 
 
 def describe_exit(code: int | None) -> str:
@@ -57,71 +133,19 @@ _STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O (D)", "
            "t": "stopped by a debugger", "Z": "a zombie", "X": "dead"}
 
 
-@dataclass
-class RankProcess:
-    """One launched rank: its kernel manager, and what the OS says about it."""
+def state_words(letter: str) -> str:
+    return _STATES.get(letter, f"state {letter}" if letter else "state unknown")
 
-    rank: int
-    km: AsyncKernelManager
-    log_path: str
 
-    @property
-    def pid(self) -> int | None:
-        proc = getattr(self.km.provisioner, "process", None)
-        return proc.pid if proc is not None else None
-
-    def exit_code(self) -> int | None:
-        proc = getattr(self.km.provisioner, "process", None)
-        return proc.poll() if proc is not None else None
-
-    async def is_alive(self) -> bool:
-        return self.km.has_kernel and await self.km.is_alive()
-
-    async def has_exited(self) -> bool:
-        """True once a started process has ended."""
-        return self.km.has_kernel and not await self.km.is_alive()
-
-    def os_state(self) -> str:
-        """The process state letter from /proc (``T`` when stopped); "" when unknown."""
-        pid = self.pid
-        if pid is None:
-            return ""
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return ""
-
-    def client(self):  # noqa: ANN201 - jupyter_client's AsyncKernelClient
-        return self.km.client()
-
-    def connection_info(self) -> dict:
-        """Where the rank's channels are, and its HMAC key (a jupyter_client connection dict)."""
-        return self.km.get_connection_info()
-
-    async def interrupt(self) -> None:
-        """SIGINT the rank's process group, as Jupyter does for a signal-mode kernel."""
-        if self.km.has_kernel:
-            with contextlib.suppress(Exception):
-                await self.km.interrupt_kernel()
-
-    async def shutdown(self, now: bool) -> None:
-        if self.km.has_kernel:
-            await self.km.shutdown_kernel(now=now)
-
-    def kill(self) -> None:
-        """SIGKILL the rank's whole process group (DataLoader workers included), synchronously."""
-        pid = self.pid
-        if pid is None:
-            return
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)  # each rank leads its own process session
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-
-    def log_tail(self, lines: int = 30) -> str:
-        """The end of what the rank process wrote outside Jupyter (C-level crashes land here)."""
-        return file_tail(self.log_path, lines)
+def proc_state(pid: int | None) -> str:
+    """A process's state letter from /proc (``T`` when stopped); "" when unknown."""
+    if pid is None:
+        return ""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def file_tail(path: str, lines: int = 30) -> str:
@@ -133,17 +157,91 @@ def file_tail(path: str, lines: int = 30) -> str:
         return ""
 
 
-def state_words(letter: str) -> str:
-    return _STATES.get(letter, f"state {letter}" if letter else "state unknown")
+# ============================================================================ this machine
+class _RankSpecManager(KernelSpecManager):
+    """Hands jupyter_client the rank kernel's spec, bound to this interpreter."""
+
+    extra_argv: list[str] = []
+
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:  # noqa: ARG002
+        return KernelSpec(
+            argv=[sys.executable, "-m", "dist_kernel.rank", "-f", "{connection_file}", *self.extra_argv],
+            display_name="dist_kernel rank", language="python", interrupt_mode="signal",
+        )
 
 
-class LocalLauncher:
-    """Starts ranks as child processes of the parent, on this machine."""
+class LocalRank:
+    """A rank on this machine: a jupyter_client kernel manager, signalled through its provisioner
+    (which signals the rank's process group: it leads its own session, DataLoader workers included)."""
+
+    host = ""
+    address = ""
+
+    def __init__(self, rank: int, km: AsyncKernelManager, log_path: str) -> None:
+        self.rank = rank
+        self.km = km
+        self.log_path = log_path
+        self.returncode: int | None = None
+        self._pid: int | None = None
+
+    @property
+    def pid(self) -> int | None:
+        provisioner = self.km.provisioner
+        if self._pid is None and provisioner is not None:
+            self._pid = provisioner.pid
+        return self._pid
+
+    async def poll(self) -> int | None:
+        provisioner = self.km.provisioner
+        if self.returncode is None and provisioner is not None and provisioner.has_process:
+            self.returncode = await provisioner.poll()
+        return self.returncode
+
+    async def send_signal(self, signum: int) -> None:
+        if self.km.provisioner is not None and self.returncode is None:
+            try:
+                await self.km.provisioner.send_signal(signum)
+            except OSError:  # gone meanwhile: poll() says so
+                pass
+
+    async def kill(self) -> None:
+        if self.km.provisioner is not None:
+            await self.km.provisioner.kill()
+
+    async def terminate(self) -> None:
+        if self.km.provisioner is not None:
+            await self.km.provisioner.terminate()
+
+    def exit_reason(self) -> str:
+        return describe_exit(self.returncode) if self.returncode is not None else ""
+
+    def os_state(self) -> str:
+        return proc_state(self.pid)
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of what the rank process wrote outside Jupyter (C-level crashes land here)."""
+        return file_tail(self.log_path, lines)
+
+    def wire(self) -> tuple[dict, Wire]:
+        info = self.km.get_connection_info(session=False)
+        return info, SocketWire(info)
+
+    async def shutdown(self, now: bool) -> None:
+        """A shutdown request, then the provisioner's kill (jupyter_client's own sequence)."""
+        if self.km.has_kernel:
+            await self.km.shutdown_kernel(now=now)
+
+
+class LocalLauncher(GangLauncher):
+    """Starts ranks as child processes of the parent, on this machine, in waves."""
+
+    wave = START_WAVE
 
     def __init__(self, config: KernelConfig, runtime_dir: str, extra_argv: list[str] | None = None) -> None:
         self.config = config
         self.runtime_dir = runtime_dir
         self.extra_argv = list(extra_argv or [])
+        self.ranks: dict[int, LocalRank] = {}
 
     def env(self, rank: int) -> dict[str, str]:
         """A rank's environment: what torchrun sets, plus the kernel's own variables."""
@@ -153,7 +251,11 @@ class LocalLauncher:
                         master_addr="127.0.0.1", master_port=None, runtime_dir=self.runtime_dir,
                         parent_pid=os.getpid(), gpus=cfg.gpus, ifname=LOOPBACK)
 
-    async def launch(self, rank: int) -> RankProcess:
+    async def start(self, ranks: int) -> AsyncIterator[LocalRank]:
+        for rank in range(ranks):
+            yield await self.launch(rank)
+
+    async def launch(self, rank: int) -> LocalRank:
         """Start rank ``rank``; returns once its process exists (not yet ready)."""
         ksm = _RankSpecManager()
         ksm.extra_argv = self.extra_argv
@@ -162,8 +264,37 @@ class LocalLauncher:
         km.ip = os.path.join(self.runtime_dir, f"rank{rank}")
         km.connection_file = os.path.join(self.runtime_dir, f"rank{rank}.json")
         km.autorestart = False  # a restarted rank could not silently rejoin the group
-        proc = RankProcess(rank=rank, km=km, log_path=os.path.join(self.runtime_dir, f"rank{rank}.log"))
-        with open(proc.log_path, "wb") as log_file:  # noqa: ASYNC230 - tiny local file
+        handle = LocalRank(rank, km, os.path.join(self.runtime_dir, f"rank{rank}.log"))
+        self.ranks[rank] = handle
+        with open(handle.log_path, "wb") as log_file:  # noqa: ASYNC230 - tiny local file
             await km.start_kernel(env=self.env(rank), cwd=os.getcwd(), stdout=log_file,
                                   stderr=log_file, stdin=subprocess.DEVNULL)
-        return proc
+        self.record()
+        return handle
+
+    def store(self, generation: int) -> str:
+        """A file in the private runtime dir (mode 0700): no port, no race, no collision."""
+        return os.path.join(self.runtime_dir, f"store-{generation}")
+
+    async def stop(self, now: bool = False) -> None:
+        async def one(handle: LocalRank) -> None:
+            # a stopped rank cannot answer a shutdown request: don't wait for one
+            stopped = proc_state(handle.pid) in ("T", "t")
+            try:
+                await asyncio.wait_for(handle.shutdown(now=now or stopped), timeout=3 if now else 5)
+            except Exception:  # noqa: BLE001 - the kill below ends it in any case
+                pass
+            await handle.kill()
+
+        await asyncio.gather(*(one(h) for h in self.ranks.values()), return_exceptions=True)
+
+    def stop_now(self) -> None:
+        """Nothing to do without a loop: the supervisor's sweep of the kernel's processes
+        (cleanup.kill_kernel_processes: the ranks' sessions and groups, and what escaped them)
+        SIGKILLs every rank synchronously."""
+
+    def state(self) -> dict:
+        return {"ranks": [p for p in (h.pid for h in self.ranks.values()) if p]}
+
+    def record(self) -> None:
+        write_pids(self.runtime_dir, self.state()["ranks"])

@@ -2,13 +2,10 @@
 
 The parent listens on ``--listen`` (CurveZMQ, one admitted client key; see
 :mod:`dist_kernel.tunnel`). Each node's agent connects out, says hello, starts its ranks
-when told, and relays their Jupyter messages. On this side each remote rank gets a stand-in
-kernel: four IPC sockets in the private runtime dir (shell, control and stdin ROUTERs, an
-IOPub PUB) that forward to and from the tunnel, so a plain jupyter_client client talks to
-it exactly as to a local rank: channels, formation and fault handling do not change.
-
-One thread moves the bytes (it also beats, and notices a node that went silent), and hands
-control events to the kernel's event loop.
+when told, and relays their Jupyter messages. The listener is read on the kernel's event
+loop: a remote rank's channel hands its frames straight to the listener's socket and gets
+the rank's frames straight from it (a :class:`RemoteWire`), with no socket or thread in
+between. The same loop beats to the nodes and notices a node that went silent.
 """
 
 from __future__ import annotations
@@ -23,28 +20,28 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 import zmq
 import zmq.auth.thread
-from jupyter_client.asynchronous import AsyncKernelClient
 
 from dist_kernel import tunnel
 from dist_kernel.exceptions import ConfigError, RankStartError
 from dist_kernel.options import KernelConfig
+from dist_kernel.parent import listen, slurm
+from dist_kernel.parent.channels import Wire
+from dist_kernel.parent.cluster import NodeLauncher
+from dist_kernel.parent.fault_policy import RemoteCause
+from dist_kernel.parent.launcher import GangLauncher, describe_exit
+from dist_kernel.parent.slurm import SlurmLauncher, SrunEvent, check_allocation
+from dist_kernel.parent.ssh import SshLauncher
 
 #: a node whose agent has not said hello this long after its launcher started it (or left
 #: the queue) is a wiring mistake, reported well before --startup-timeout
 CONNECT_TIMEOUT = 30.0
-
-
-class _NoHeartbeatClient(AsyncKernelClient):
-    """A client of a stand-in kernel: liveness comes from the node's beats, not Jupyter's hb."""
-
-    def start_channels(self, *args: object, **kwargs: object) -> None:
-        kwargs["hb"] = False
-        super().start_channels(*args, **kwargs)
+#: messages read from the listener per turn of the loop (a flood must not starve the rest)
+_BATCH = 200
 
 
 class _Admit:
@@ -71,13 +68,12 @@ class Node:
 
 
 class Tunnel:
-    """The parent's listener and the stand-in sockets of every remote rank; one thread."""
+    """The parent's listener for the node agents, read on the kernel's event loop."""
 
-    def __init__(self, config: KernelConfig, keys: dict[str, str], runtime_dir: str,
+    def __init__(self, config: KernelConfig, keys: dict[str, str],
                  on_event: Callable[[int, dict], None], log: logging.Logger) -> None:
         self.config = config
         self.keys = keys
-        self.runtime_dir = runtime_dir
         self.on_event = on_event
         self.log = log
         self.ctx = zmq.Context()
@@ -93,16 +89,11 @@ class Tunnel:
         self.router.sndhwm = self.router.rcvhwm = 0
         self.router.linger = 0
         self.nodes: dict[int, Node] = {}
-        self._stand_ins: dict[zmq.Socket, tuple[int, bytes]] = {}
-        self._rank_sockets: dict[int, dict[bytes, zmq.Socket]] = {}
-        self._client_id: dict[int, bytes] = {}
-        self._commands = self.ctx.socket(zmq.PULL)
-        self._commands.bind(f"inproc://dk-tunnel-{id(self)}")
-        self._push = self.ctx.socket(zmq.PUSH)
-        self._push.connect(f"inproc://dk-tunnel-{id(self)}")
-        self._push_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        #: rank -> where its channel takes its frames (channel name, frames)
+        self._wires: dict[int, Callable[[str, list[bytes]], None]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._beat: asyncio.TimerHandle | None = None
+        self._closed = False
 
     def bind(self, address: str) -> int:
         """Listen on ``address`` (a port from --port-range if given); the port."""
@@ -118,88 +109,108 @@ class Tunnel:
         raise RankStartError(f"no free port in --port-range {rng[0]}-{rng[1]} on {address}. Fix: widen "
                              "--port-range (the parent needs one port, rank 0's rendezvous another), then restart.")
 
-    def stand_in(self, rank: int) -> dict:
-        """The stand-in kernel of a remote rank: its connection info for a jupyter_client client."""
-        ip = os.path.join(self.runtime_dir, f"remote{rank}")
-        sockets = {}
-        for name, kind in ((b"shell", zmq.ROUTER), (b"control", zmq.ROUTER), (b"stdin", zmq.ROUTER),
-                           (b"iopub", zmq.PUB)):
-            s = self.ctx.socket(kind)
-            s.linger = 0
-            s.sndhwm = s.rcvhwm = 0
-            s.bind(tunnel.ipc_endpoint(ip, name))
-            sockets[name] = s
-            self._stand_ins[s] = (rank, name)
-        self._rank_sockets[rank] = sockets
-        return {"transport": "ipc", "ip": ip, "signature_scheme": "hmac-sha256",
-                "key": self.keys["rank_keys"][str(rank)],
-                **tunnel.ipc_ports()}
-
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="dist_kernel-tunnel", daemon=True)
-        self._thread.start()
+        """Read the listener and beat, on the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.router.getsockopt(zmq.FD), self._drain)
+        self._loop.call_soon(self._drain)
+        self._tick()
 
-    # ------------------------------------------------------- from other threads
+    # ------------------------------------------------------- a remote rank's wire
+    def attach(self, rank: int, deliver: Callable[[str, list[bytes]], None]) -> None:
+        self._wires[rank] = deliver
+
+    def detach(self, rank: int) -> None:
+        self._wires.pop(rank, None)
+
+    def send_msg(self, rank: int, channel: str, frames: list) -> None:
+        """One Jupyter message to a rank, through its node's agent."""
+        self._to_node(self.config.node_of(rank), [tunnel.MSG, str(rank).encode(), channel.encode(), *frames])
+
+    # ------------------------------------------------------- control
     def send_ctl(self, node: int, event: dict) -> None:
-        """Queue a control event for a node (thread-safe)."""
-        with self._push_lock, contextlib.suppress(zmq.ZMQError):
-            self._push.send_multipart([str(node).encode(), *tunnel.pack_ctl(self.keys["hmac_key"], event)])
+        """A control event for a node; from another thread it is handed to the loop."""
+        frames = tunnel.pack_ctl(self.keys["hmac_key"], event)
+        loop = self._loop
+        if loop is not None and loop.is_running() and not _in_loop(loop):
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._to_node, node, frames)
+            return
+        self._to_node(node, frames)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
+        """Stop reading and beating, close the listener; from any thread."""
+        loop = self._loop
+        if loop is not None and loop.is_running() and not _in_loop(loop):
+            done = threading.Event()
+
+            def close_there() -> None:
+                self._close()
+                done.set()
+
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(close_there)
+                done.wait(2)
+        self._close()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._beat is not None:
+            self._beat.cancel()
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and _in_loop(loop):
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self.router.getsockopt(zmq.FD))
         with contextlib.suppress(Exception):
             self.auth.stop()
         with contextlib.suppress(Exception):
             self.ctx.destroy(linger=0)
 
-    # --------------------------------------------------------------- the thread
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self._commands, zmq.POLLIN)
-        registered: set[zmq.Socket] = set()
-        next_beat = 0.0
-        while not self._stop.is_set():
-            for s in list(self._stand_ins):
-                if s not in registered and self._stand_ins[s][1] != b"iopub":
-                    poller.register(s, zmq.POLLIN)
-                    registered.add(s)
-            try:
-                events = poller.poll(100)
-            except zmq.ZMQError:
-                return
-            for s, _ in events:
-                try:
-                    if s is self.router:
-                        self._from_node(self.router.recv_multipart())
-                    elif s is self._commands:
-                        node, *frames = self._commands.recv_multipart()
-                        self._to_node(int(node), frames)
-                    else:
-                        rank, name = self._stand_ins[s]
-                        ident, *frames = s.recv_multipart()
-                        self._client_id[rank] = ident
-                        self._to_node(rank // self.config.ranks_per_node, [tunnel.MSG, str(rank).encode(), name, *frames])
-                except zmq.ZMQError:
-                    if self._stop.is_set():
-                        return
-                except Exception:  # noqa: BLE001 - one bad frame never stops the relay
-                    self.log.exception("tunnel: dropped a frame")
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + tunnel.BEAT_INTERVAL
-                for node in self.nodes.values():
-                    if not node.lost:
-                        self._to_node(node.index, tunnel.pack_ctl(self.keys["hmac_key"], {"type": "beat"}))
-                    if not node.lost and now - node.last_heard > tunnel.LOST_AFTER:
-                        node.lost = f"silent for {now - node.last_heard:.1f}s"
-                        self.on_event(node.index, {"type": "lost", "silent": now - node.last_heard})
+    # ------------------------------------------------------- on the loop
+    def _tick(self) -> None:
+        """Every BEAT_INTERVAL: beat to each node, and call a node that fell silent lost. What
+        waits in the listener is read first: a loop that was busy for a moment heard nothing."""
+        if self._closed:
+            return
+        self._drain(again=False)
+        now = time.monotonic()
+        for node in self.nodes.values():
+            if node.lost:
+                continue
+            self._to_node(node.index, tunnel.pack_ctl(self.keys["hmac_key"], {"type": "beat"}))
+            if now - node.last_heard > tunnel.LOST_AFTER:
+                node.lost = f"silent for {now - node.last_heard:.1f}s"
+                self.on_event(node.index, {"type": "lost", "silent": now - node.last_heard})
+        assert self._loop is not None
+        self._beat = self._loop.call_later(tunnel.BEAT_INTERVAL, self._tick)
 
-    def _to_node(self, node: int, frames: list[bytes]) -> None:
+    def _drain(self, again: bool = True) -> None:
+        """Handle what the listener holds, at most ``_BATCH`` messages per turn of the loop."""
+        if self._closed:
+            return
+        try:
+            for _ in range(_BATCH):
+                if not self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                try:
+                    self._from_node(frames)
+                except Exception:  # noqa: BLE001 - one bad frame never stops the reading
+                    self.log.exception("tunnel: dropped a frame")
+        except zmq.ZMQError:
+            return
+        if again and self._loop is not None:  # more may wait: ZMQ's descriptor signals edges
+            self._loop.call_soon(self._drain)
+
+    def _to_node(self, node: int, frames: list) -> None:
+        if self._closed:
+            return
         with contextlib.suppress(zmq.ZMQError):
             self.router.send_multipart([f"node{node}".encode(), *frames])
+        if self._loop is not None and _in_loop(self._loop):
+            self._loop.call_soon(self._drain)  # a send can swallow the descriptor's edge
 
     def _from_node(self, frames: list[bytes]) -> None:
         ident, kind, *rest = frames
@@ -212,13 +223,9 @@ class Tunnel:
             if node is not None:
                 node.last_heard = time.monotonic()
             rank, name, *msg = rest
-            sockets = self._rank_sockets.get(int(rank))
-            if sockets is None or name not in sockets:
-                return
-            if name == b"iopub":
-                sockets[name].send_multipart(msg)
-            elif int(rank) in self._client_id:
-                sockets[name].send_multipart([self._client_id[int(rank)], *msg])
+            deliver = self._wires.get(int(rank))
+            if deliver is not None and name in tunnel.CHANNELS:
+                deliver(name.decode(), msg)
             return
         if kind != tunnel.CTL:
             return
@@ -235,90 +242,132 @@ class Tunnel:
         self.on_event(index, event)
 
 
-class RemoteRankProcess:
-    """A rank on another machine: what its node's agent says about it."""
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
-    def __init__(self, rank: int, node: Node, tunnel_: Tunnel, connection: dict) -> None:
+
+class RemoteWire:
+    """A remote rank's channels: its frames go straight into the listener, and come straight
+    out of it, tagged with the rank and the channel (see :mod:`dist_kernel.tunnel`)."""
+
+    def __init__(self, tunnel_: Tunnel, rank: int) -> None:
+        self.tunnel = tunnel_
+        self.rank = rank
+
+    def connect(self, identity: bytes) -> None:
+        """Nothing to connect: the agent's sockets on the node carry the identity it gives them."""
+
+    def open(self, deliver: Callable[[str, list[bytes]], None]) -> None:
+        self.tunnel.attach(self.rank, deliver)
+
+    def send(self, channel: str, frames: list) -> None:
+        self.tunnel.send_msg(self.rank, channel, frames)
+
+    def close(self) -> None:
+        self.tunnel.detach(self.rank)
+
+
+class RemoteRank:
+    """A rank on another machine: what its node's agent says about it; signals go through the
+    agent (provisioner method names, as :class:`~dist_kernel.parent.launcher.RankHandle`)."""
+
+    def __init__(self, rank: int, node: Node, tunnel_: Tunnel, key: str, pid: int) -> None:
         self.rank = rank
         self.node = node
         self.tunnel = tunnel_
-        self.connection = connection
-        self.pid: int | None = None
-        self.code: int | None = None
+        self.key = key
+        self._pid = pid
+        self.returncode: int | None = None
         self.state = ""
         self.log = ""
         self.gone = ""  # why the rank is gone without an exit code (its node was lost)
 
     @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    @property
     def host(self) -> str:
         return self.node.host
 
-    def exit_code(self) -> int | None:
-        return self.code
+    @property
+    def address(self) -> str:
+        return self.node.address
 
-    async def is_alive(self) -> bool:
-        return self.code is None and not self.gone
+    async def poll(self) -> int | None:
+        return self.returncode
 
-    async def has_exited(self) -> bool:
-        return self.code is not None or bool(self.gone)
+    async def send_signal(self, signum: int) -> None:
+        self.tunnel.send_ctl(self.node.index, {"type": "signal", "rank": self.rank, "signum": int(signum)})
+
+    async def kill(self) -> None:
+        await self.send_signal(signal.SIGKILL)
+
+    async def terminate(self) -> None:
+        await self.send_signal(signal.SIGTERM)
+
+    def exit_reason(self) -> str:
+        if self.gone:
+            return self.gone
+        return describe_exit(self.returncode) if self.returncode is not None else ""
 
     def os_state(self) -> str:
         return self.state
 
-    def connection_info(self) -> dict:
-        """The stand-in kernel's channels (IPC, in the runtime dir) and the rank's HMAC key."""
-        return dict(self.connection)
-
-    def client(self) -> AsyncKernelClient:
-        kc = _NoHeartbeatClient()
-        kc.load_connection_info(self.connection)
-        return kc
-
-    async def interrupt(self) -> None:
-        self.tunnel.send_ctl(self.node.index, {"type": "signal", "rank": self.rank, "signum": int(signal.SIGINT)})
-
-    async def shutdown(self, now: bool) -> None:  # noqa: ARG002 - the node's agent ends its ranks
-        return None
-
-    def kill(self) -> None:
-        self.tunnel.send_ctl(self.node.index, {"type": "signal", "rank": self.rank, "signum": int(signal.SIGKILL)})
-
     def log_tail(self, lines: int = 30) -> str:
         return "".join(self.log.splitlines(keepends=True)[-lines:])
 
+    def wire(self) -> tuple[dict, Wire]:
+        return {"key": self.key, "signature_scheme": "hmac-sha256"}, RemoteWire(self.tunnel, self.rank)
 
-class RemoteLauncher:
-    """Starts the node agents (through Slurm or SSH), waits for them, and hands out their ranks."""
+
+def make_launcher(config: KernelConfig, agent_argv: Callable[[int | None], list[str]], runtime_dir: str,
+                  log: logging.Logger, on_note: Callable[[str], None],
+                  on_failure: Callable[[str], None] | None = None,
+                  environ: Mapping[str, str] | None = None,
+                  on_queue: Callable[[SrunEvent], None] | None = None) -> NodeLauncher:
+    """The launcher for ``config.launcher`` (slurm or ssh); checks an allocation's node count."""
+    if config.launcher == "slurm":
+        check_allocation(config, environ)
+        slurm_launcher = SlurmLauncher(config, agent_argv, runtime_dir, log, on_note, on_failure, environ)
+        slurm_launcher.on_queue = on_queue
+        return slurm_launcher
+    if config.launcher == "ssh":  # options.py made sure that --hosts names the hosts
+        return SshLauncher(config, agent_argv, runtime_dir, log, on_note, on_failure, environ)
+    raise ValueError(f"no node launcher for --launcher {config.launcher}")
+
+
+class RemoteLauncher(GangLauncher):
+    """Starts the node agents (through Slurm or SSH), waits for them, and hands out their ranks.
+
+    ``on_note`` gets progress for the first cell (waiting in the Slurm queue, ...); faults that
+    take the gang (a node lost, an agent ending, a rank that exited, the launcher gone) go to
+    :attr:`on_fault`."""
 
     def __init__(self, config: KernelConfig, runtime_dir: str, extra_argv: list[str], log: logging.Logger,
-                 on_note: Callable[[str], None], on_fault: Callable[[str, list[int], str], None],
-                 on_rank_event: Callable[[int, dict], None]) -> None:
+                 on_note: Callable[[str], None]) -> None:
         self.config = config
         self.runtime_dir = runtime_dir
         self.extra_argv = extra_argv
         self.log = log
         self.on_note = on_note
-        self.on_fault = on_fault
-        self.on_rank_event = on_rank_event
+        self.wave = config.world_size  # the agents start their node's ranks themselves
         self.keys = tunnel.new_secrets()
         self.keys["rank_keys"] = {str(r): os.urandom(32).hex() for r in range(config.world_size)}  # type: ignore[assignment]
         self.tunnel: Tunnel | None = None
         self.nodes_launcher = None
-        self.processes: dict[int, RemoteRankProcess] = {}
+        self.processes: dict[int, RemoteRank] = {}
         self.master: tuple[str, int] | None = None
         self.endpoint = ""
         self._events: asyncio.Queue = asyncio.Queue()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._queued = False
         self._launched_at = 0.0
         self._munge = False
         self._fresh_keys: Callable[[], bytes] = bytes
         self.stopped = False
-
-    def _event(self, node: int, event: dict) -> None:
-        """From the tunnel's thread."""
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._on_event, node, event)
 
     def _on_event(self, node: int, event: dict) -> None:
         kind = event["type"]
@@ -327,8 +376,9 @@ class RemoteLauncher:
         if not self.processes or kind in ("hello", "started", "failed"):
             self._events.put_nowait((node, event))
 
-    def _note(self, text: str) -> None:
-        if "queue" in text.lower() and "waiting" in text.lower():
+    def _on_queue(self, event: SrunEvent) -> None:
+        """What srun says of the job: while it is queued the connect timeout does not run."""
+        if event.kind == "queued":
             self._queued = True
         elif self._queued:  # out of the queue: the connect timeout counts from now
             self._queued = False
@@ -336,29 +386,29 @@ class RemoteLauncher:
             if self._munge and self.nodes_launcher is not None:
                 with contextlib.suppress(Exception):  # the first credentials may have expired meanwhile
                     self.nodes_launcher.send(self._fresh_keys())
-        self.on_note(text)
 
-    async def launch_all(self) -> dict[int, RemoteRankProcess]:
+    async def start(self, ranks: int) -> AsyncIterator[RemoteRank]:
+        processes = await self.launch_all()
+        for rank in range(ranks):
+            yield processes[rank]
+
+    async def launch_all(self) -> dict[int, RemoteRank]:
         """Start the agents and their ranks; raises :class:`RankStartError` naming the node and address."""
-        from dist_kernel.parent import cluster
-
         cfg = self.config
-        self._loop = asyncio.get_running_loop()
-        cluster.check_allocation(cfg)
-        address = cfg.listen or cluster.default_listen(cfg)
+        check_allocation(cfg)
+        address = cfg.listen or listen.default_listen(cfg)
         try:  # ZMQ binds to addresses, not names; the nodes then connect to that address too
             address = socket.gethostbyname(address)
         except OSError as e:
             raise ConfigError(f"--listen {address}: cannot resolve it ({e}). Fix: give an IP address of this "
                               "machine that the nodes can reach, then restart the kernel.") from None
-        self.tunnel = Tunnel(cfg, self.keys, self.runtime_dir, self._event, self.log)
+        self.tunnel = Tunnel(cfg, self.keys, self._on_event, self.log)
         try:
             port = self.tunnel.bind(address)
         except zmq.ZMQError as e:
             raise ConfigError(f"--listen {address}: cannot listen there ({e}). Fix: give an address of this "
                               "machine that the nodes can reach, then restart the kernel.") from None
         self.endpoint = f"tcp://{address}:{port}"
-        connections = {r: self.tunnel.stand_in(r) for r in range(cfg.world_size)}
         self.tunnel.start()
         boot = tunnel.Bootstrap(
             server_key=self.keys["server_public"], client_public=self.keys["client_public"],
@@ -371,7 +421,7 @@ class RemoteLauncher:
         # srun's stdin crosses the network in clear: wrap the keys in MUNGE credentials, one per
         # node (nodes may share one munged, which decodes each credential once)
         self._munge = cfg.launcher == "slurm"
-        munge_socket = cluster.munge_socket() if self._munge else None
+        munge_socket = slurm.munge_socket() if self._munge else None
 
         def keys() -> bytes:
             if not self._munge:
@@ -390,7 +440,8 @@ class RemoteLauncher:
                 argv += ["--munge", *(["--munge-socket", munge_socket] if munge_socket else [])]
             return argv + (["--node-rank", str(node)] if node is not None else [])
 
-        self.nodes_launcher = cluster.make_launcher(cfg, agent_argv, self.runtime_dir, self.log, self._note)
+        self.nodes_launcher = make_launcher(cfg, agent_argv, self.runtime_dir, self.log, self.on_note,
+                                            on_queue=self._on_queue)
         self._launched_at = time.monotonic()
         await self.nodes_launcher.start(keys())
 
@@ -399,7 +450,7 @@ class RemoteLauncher:
         master_port = int(hellos[0]["master_port"])
         self.master = (master_addr, master_port)
         job = next((h.get("job") for h in hellos.values() if h.get("job")), None)
-        if job and hasattr(self.nodes_launcher, "note_job"):
+        if job:
             self.nodes_launcher.note_job(str(job))
         for n in range(cfg.nodes):
             self.tunnel.send_ctl(n, {"type": "start", "master_addr": master_addr, "master_port": master_port})
@@ -407,10 +458,15 @@ class RemoteLauncher:
         for n, event in started.items():
             for rank_text, pid in event["ranks"].items():
                 rank = int(rank_text)
-                proc = RemoteRankProcess(rank, self.tunnel.nodes[n], self.tunnel, connections[rank])
-                proc.pid = int(pid)
-                self.processes[rank] = proc
+                self.processes[rank] = RemoteRank(rank, self.tunnel.nodes[n], self.tunnel,
+                                                  self.keys["rank_keys"][rank_text], int(pid))  # type: ignore[index]
         return self.processes
+
+    def store(self, generation: int) -> str:
+        """Rank 0's TCPStore on its node's cluster address, a prefix per formation."""
+        assert self.master is not None
+        addr, port = self.master
+        return f"tcp://{addr}:{port}/gen{generation}"
 
     def _host(self, node: int) -> str:
         n = self.tunnel.nodes.get(node) if self.tunnel else None
@@ -460,50 +516,62 @@ class RemoteLauncher:
                 if proc is not None:
                     proc.state = str(st.get("state") or "")
             return
+        if self.stopped:
+            return
+        host = self._host(node)
+        ranks = tuple(r for r, p in self.processes.items() if p.node.index == node)
         if kind == "exited":
+            # a rank exited (the OOM killer, a crash): reported as on one machine, then the ranks
+            # on every node are stopped (a group cannot go on without it)
             proc = self.processes.get(int(event["rank"]))
-            if proc is not None and proc.code is None:
+            if proc is not None and proc.returncode is None:
                 proc.log = str(event.get("log") or "")
-                proc.code = int(event["code"])
-                self.on_rank_event(proc.rank, event)
-            return
-        if kind == "ending" and not self.stopped:
-            host = self._host(node)
-            ranks = [r for r, p in self.processes.items() if p.node.index == node]
-            self.on_fault(f"the node agent on node {node} ({host}) is ending its ranks: {event.get('reason')}", ranks,
-                          "ending")
-            return
-        if kind == "lost" and not self.stopped:
-            assert self.tunnel is not None
-            host = self._host(node)
-            ranks = [r for r, p in self.processes.items() if p.node.index == node]
+                proc.returncode = code = int(event["code"])
+                # SIGTERM comes from outside (scancel, a time limit): the agent's own word names it better
+                self.on_fault(RemoteCause("terminated" if code == -signal.SIGTERM else "exited",
+                                          f"rank {proc.rank} on {proc.host} {describe_exit(code)}", (proc.rank,)))
+        elif kind == "ending":
+            self.on_fault(RemoteCause("ending", f"the node agent on node {node} ({host}) is ending its ranks: "
+                                                f"{event.get('reason')}", ranks))
+        elif kind == "lost":
             for r in ranks:
                 self.processes[r].gone = f"was lost with its node {host} (silent for {event['silent']:.0f}s)"
-            self.on_fault(f"node {node} ({host}) stopped answering for {event['silent']:.0f}s "
-                          "(link down, the node agent killed, or the Slurm job ended)", ranks, "lost")
+            self.on_fault(RemoteCause("lost", f"node {node} ({host}) stopped answering for {event['silent']:.0f}s "
+                                              "(link down, the node agent killed, or the Slurm job ended)", ranks))
 
     def failure(self) -> str | None:
-        return self.nodes_launcher.failure() if self.nodes_launcher is not None else None
+        if self.stopped or self.nodes_launcher is None:
+            return None
+        return self.nodes_launcher.failure()
 
-    def local_pids(self) -> list[int]:
-        return self.nodes_launcher.local_pids() if self.nodes_launcher is not None else []
+    def state(self) -> dict:
+        """The launcher processes (srun, ssh) and the Slurm job: the ranks' pids mean nothing
+        here, their agents end them."""
+        if self.nodes_launcher is None:
+            return {"launchers": [], "slurm": None}
+        return self.nodes_launcher.state()
 
-    async def stop(self) -> None:
+    def record(self) -> None:
+        if self.nodes_launcher is not None:
+            self.nodes_launcher.record()
+
+    async def stop(self, now: bool = False) -> None:  # noqa: ARG002 - the agents end their ranks at once
         """Tell every agent to stop (they end their ranks), then end the launcher (srun/ssh) and the tunnel."""
-        self.stopped = True
         if self.nodes_launcher is not None:
             self.nodes_launcher.expect_exit()  # srun/ssh ending now is no failure
-        if self.tunnel is not None:
+        if self.tunnel is not None and not self.stopped:
+            self.stopped = True
             for n in range(self.config.nodes):
                 self.tunnel.send_ctl(n, {"type": "stop"})
             await asyncio.sleep(0.3)  # the agents end their ranks; the launcher then ends by itself
+        self.stopped = True
         if self.nodes_launcher is not None:
             with contextlib.suppress(Exception):
                 await self.nodes_launcher.stop()
         if self.tunnel is not None:
             self.tunnel.close()
 
-    def stop_sync(self) -> None:
+    def stop_now(self) -> None:
         """Last resort from any thread (atexit): stop the agents, end the launcher's processes."""
         self.stopped = True
         if self.tunnel is not None:

@@ -1,8 +1,10 @@
 """Rank supervision: launch the ranks, form their group, watch them, end them.
 
-A rank is a :class:`~dist_kernel.parent.launcher.RankProcess` (how it was started) and a
-:class:`~dist_kernel.parent.channels.RankChannel` (how the parent talks to it). Formation
-and every other rank-side action are typed requests of :mod:`dist_kernel.protocol`.
+A rank is a :class:`~dist_kernel.parent.launcher.RankHandle` that a
+:class:`~dist_kernel.parent.launcher.GangLauncher` handed out (how it was started, on this
+machine or another) and a :class:`~dist_kernel.parent.channels.RankChannel` (how the parent
+talks to it). The supervisor never asks which launcher it has. Formation and every other
+rank-side action are typed requests of :mod:`dist_kernel.protocol`.
 Everything here runs on the parent's main event loop; other threads cross over with
 ``asyncio.run_coroutine_threadsafe``.
 """
@@ -27,10 +29,8 @@ from dist_kernel.exceptions import ConfigError, RankDiedError, RankRequestError,
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.channels import RankChannel
 from dist_kernel.parent.cleanup import kill_kernel_processes, make_runtime_dir, sweep
-from dist_kernel.parent.fault_policy import RemoteCause, RemoteKind, remote_culprit
-from dist_kernel.parent.launcher import LocalLauncher, RankProcess, describe_exit, state_words
-from dist_kernel.parent.reaper import write_pids
-from dist_kernel.parent.remote import RemoteLauncher, RemoteRankProcess
+from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit
+from dist_kernel.parent.launcher import GangLauncher, LocalLauncher, RankHandle, state_words
 
 LOG_TAIL_LINES = 30
 #: how long a rank may take to answer a quick typed request (where, status, teardown)
@@ -46,7 +46,7 @@ class Rank:
     """One rank, as the parent knows it."""
 
     rank: int
-    process: RankProcess | RemoteRankProcess
+    process: RankHandle
     channel: RankChannel | None = None
     exit_reason: str | None = None
     device: str = ""
@@ -63,12 +63,11 @@ class Rank:
     @property
     def host(self) -> str:
         """The machine of a rank on another machine ("" on this one)."""
-        return getattr(self.process, "host", "")
+        return self.process.host
 
     @property
     def host_address(self) -> str:
-        node = getattr(self.process, "node", None)
-        return node.address if node is not None else ""
+        return self.process.address
 
     @property
     def where(self) -> str:
@@ -98,11 +97,8 @@ class RankSupervisor:
         # for the IPC socket paths even under a long TMPDIR
         sweep()
         self.runtime_dir = make_runtime_dir()
-        self.launcher = LocalLauncher(config, self.runtime_dir, extra_argv)
-        # ranks on other machines: started by node agents through Slurm or SSH (remote.py)
-        self.remote = (RemoteLauncher(config, self.runtime_dir, list(extra_argv or []), self.log,
-                                      on_note or (lambda text: None), self._on_remote_fault, self._on_remote_exit)
-                       if config.remote else None)
+        self.launcher = self._launcher(config, list(extra_argv or []), on_note or (lambda text: None))
+        self.launcher.on_fault = self._on_fault  # type: ignore[method-assign]
         self.ranks: dict[int, Rank] = {}
         self.generation = 0
         # one seed for all ranks of this start (a fresh one per restart, unless --seed)
@@ -120,9 +116,17 @@ class RankSupervisor:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
 
+    def _launcher(self, config: KernelConfig, extra_argv: list[str], on_note: Callable[[str], None]) -> GangLauncher:
+        """Where the ranks run: this machine, or nodes started through Slurm or SSH."""
+        if not config.remote:
+            return LocalLauncher(config, self.runtime_dir, extra_argv)
+        from dist_kernel.parent.remote import RemoteLauncher  # zmq.auth, Slurm and ssh only when needed
+
+        return RemoteLauncher(config, self.runtime_dir, extra_argv, self.log, on_note)
+
     # ------------------------------------------------------------- startup
     async def start(self) -> None:
-        """Start every rank in parallel and form the group; never raises, sets ``start_error``."""
+        """Start every rank and form the group; never raises, sets ``start_error``."""
         t0 = time.monotonic()
         try:
             await asyncio.wait_for(self._start(), timeout=self.config.startup_timeout)
@@ -139,33 +143,49 @@ class RankSupervisor:
         self.ready.set()
 
     async def _start(self) -> None:
+        """Ranks start in waves of at most ``launcher.wave`` that are starting at once (process
+        start to answering ``kernel_info``): many ranks on one machine must not starve this
+        process, which answers the frontend meanwhile. Each rank joins the group (imports torch)
+        as soon as *it* is up."""
         self._watch_task = asyncio.ensure_future(self._watch())
         self.generation = 1
-        if self.remote is not None:
-            processes = await self.remote.launch_all()
+        slots = asyncio.Semaphore(self.launcher.wave)
+        tasks: list[asyncio.Task] = []
 
-            async def connect_and_join(rank: int) -> None:
-                await self._connect(rank, processes[rank])
-                await self._join(rank, first=True)
+        async def bring_up(handle: RankHandle) -> None:
+            try:
+                await self._connect(handle)
+            finally:
+                slots.release()
+            await self._join(handle.rank, first=True)
 
-            await asyncio.gather(*(connect_and_join(r) for r in range(self.config.world_size)))
-            return
+        ranks = self.launcher.start(self.config.world_size)
+        try:
+            while True:
+                await slots.acquire()
+                failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
+                if failed is not None:
+                    raise failed.exception()  # type: ignore[misc]
+                try:
+                    handle = await anext(ranks)
+                except StopAsyncIteration:
+                    break
+                tasks.append(asyncio.ensure_future(bring_up(handle)))
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
 
-        async def launch_and_join(rank: int) -> None:
-            # each rank starts importing torch and joining as soon as *it* is up
-            await self._launch(rank)
-            await self._join(rank, first=True)
-
-        await asyncio.gather(*(launch_and_join(r) for r in range(self.config.world_size)))
-
-    async def _launch(self, rank: int) -> None:
-        await self._connect(rank, await self.launcher.launch(rank))
-
-    async def _connect(self, rank: int, process: RankProcess | RemoteRankProcess) -> None:
+    async def _connect(self, process: RankHandle) -> None:
+        rank = process.rank
         r = Rank(rank=rank, process=process)
         self.ranks[rank] = r
-        write_pids(self.runtime_dir, self._rank_pids())
-        channel = RankChannel(rank, process.client(), self.log, self.on_unrouted, self.on_stdin)
+        connection, wire = process.wire()
+
+        async def alive() -> bool:
+            return await process.poll() is None and not process.exit_reason()
+
+        channel = RankChannel(rank, connection, self.log, self.on_unrouted, self.on_stdin, wire=wire, alive=alive)
         channel.start()
         r.channel = channel
         try:
@@ -177,8 +197,8 @@ class RankSupervisor:
 
     def _start_fix(self, r: Rank) -> str:
         """The advice for a rank that failed to start: blame the install only when it is at fault."""
-        if not r.alive or r.process.exit_code() is not None:
-            reason = r.exit_reason or describe_exit(r.process.exit_code())
+        if not r.alive or r.process.returncode is not None:
+            reason = r.exit_reason or r.process.exit_reason()
             tail = r.log_tail()
             if "Error" in tail or "Traceback" in tail:
                 return (f"The rank process {reason} while starting (its output is above). Fix: make sure "
@@ -221,10 +241,7 @@ class RankSupervisor:
     def _store(self) -> str:
         """Where this formation meets: a file in the private runtime dir on one machine; rank 0's
         TCPStore on its node's cluster address across machines (a prefix per formation)."""
-        if self.remote is not None and self.remote.master is not None:
-            addr, port = self.remote.master
-            return f"tcp://{addr}:{port}/gen{self.generation}"
-        return os.path.join(self.runtime_dir, f"store-{self.generation}")
+        return self.launcher.store(self.generation)
 
     # ------------------------------------------------------------ requests
     def channel(self, rank: int) -> RankChannel:
@@ -297,19 +314,22 @@ class RankSupervisor:
 
     # ------------------------------------------------------------ liveness
     async def _watch(self, interval: float = 0.2) -> None:
-        """Notice a rank process that exits or is stopped; tell the kernel."""
+        """Notice a rank process that exits or is stopped, or the launcher failing; tell the kernel."""
         while not self.closing:
+            if self.ready.is_set():
+                failure = self.launcher.failure()  # srun or ssh ended: scancel, a time limit, a lost link
+                if failure:
+                    self._on_fault(RemoteCause("launcher", failure))
             for r in list(self.ranks.values()):
                 if not r.alive:
                     continue
-                if await r.process.has_exited():
-                    self._died(r, getattr(r.process, "gone", "") or describe_exit(r.process.exit_code()))
+                await r.process.poll()
+                reason = r.process.exit_reason()
+                # while a fault that takes the gang settles (scancel SIGTERMs every rank), the
+                # ranks die of its cause, named once it is known (_report_fault)
+                if reason and not self._causes:
+                    self._died(r, reason)
                     continue
-                if self.remote is not None and self.ready.is_set() and not self.remote.stopped:
-                    failure = self.remote.failure()  # srun or ssh ended: scancel, a time limit, a lost link
-                    if failure:
-                        self._on_remote_fault(failure, [], "launcher")
-                        continue
                 state = r.process.os_state()
                 stopped = state_words(state) if state in STOPPED else ""
                 if stopped != r.stopped:
@@ -328,34 +348,25 @@ class RankSupervisor:
         with contextlib.suppress(Exception):
             self.on_death(r.rank, reason)
 
-    def _on_remote_exit(self, rank: int, event: dict) -> None:  # noqa: ARG002
-        """A rank on another machine exited (the OOM killer, a crash): reported as on one machine,
-        then the ranks on every node are stopped (a group cannot go on without it)."""
-        r = self.ranks.get(rank)
-        if r is None or self.closing:
-            return
-        self._died(r, describe_exit(r.process.exit_code()))
-        # SIGTERM comes from outside (scancel, a time limit): the agent's own word names it better
-        code = r.process.exit_code()
-        kind: RemoteKind = "terminated" if code == -signal.SIGTERM else "exited"
-        self._on_remote_fault(f"rank {rank} on {r.host} {r.exit_reason}", [rank], kind)
-
-    def _on_remote_fault(self, what: str, lost: list[int], kind: RemoteKind = "launcher") -> None:
-        """Something went wrong on another machine: a node lost, its agent ending, the launcher
-        (srun, ssh) ended. Hear what else follows for a moment, then name the cause."""
-        if self.closing or self.remote is None or self._fault_reported:
-            return
-        cause = RemoteCause(kind, what, tuple(lost))
-        if cause in self._causes:
+    def _on_fault(self, cause: RemoteCause) -> None:
+        """Something took the whole gang (on another machine: a node lost, its agent ending, a
+        rank that exited, the launcher ended). Hear what else follows for a moment, then name
+        the cause (fault_policy rule 6)."""
+        if self.closing or self._fault_reported or cause in self._causes:
             return
         self._causes.append(cause)
         if len(self._causes) == 1:
-            asyncio.get_running_loop().call_later(FAULT_SETTLE, self._report_remote_fault)
+            # a rank's reply that comes meanwhile (gloo's "Read error" on a peer of the rank that
+            # died) is not its part of the story: every rank's part is the cause, once named
+            for r in self.ranks.values():
+                if r.channel is not None:
+                    r.channel.hold_replies()
+            asyncio.get_running_loop().call_later(FAULT_SETTLE, self._report_fault)
 
-    def _report_remote_fault(self) -> None:
+    def _report_fault(self) -> None:
         """Name the cause on the ranks it took, stop the survivors on every node: nothing is
         left running anywhere."""
-        if self.closing or self.remote is None or self._fault_reported:
+        if self.closing or self._fault_reported:
             return
         self._fault_reported = True
         cause = remote_culprit(self._causes)
@@ -363,10 +374,10 @@ class RankSupervisor:
             if rank in self.ranks:
                 self._died(self.ranks[rank], f"is gone: {cause.text}")
         for r in self.ranks.values():
-            self._died(r, f"was stopped on {r.host}: {cause.text}")
+            self._died(r, f"was stopped on {r.host}: {cause.text}" if r.host else f"was stopped: {cause.text}")
         if not self.ready.is_set() and self.start_error is None:
             self.start_error = f"{cause.text}. Restart the kernel to try again."
-        asyncio.ensure_future(self.remote.stop())
+        asyncio.ensure_future(self.launcher.stop(now=True))
 
     def _rank_states(self) -> str:
         words = [f"rank {r.rank} ({r.where}) {r.exit_reason or state_words(r.process.os_state())}"
@@ -376,53 +387,41 @@ class RankSupervisor:
     # ------------------------------------------------------------ control
     async def interrupt(self, ranks: list[int]) -> None:
         """SIGINT each named live rank (its whole process group, as Jupyter does)."""
-        await asyncio.gather(*(self.ranks[r].process.interrupt() for r in ranks
-                               if r in self.ranks and self.ranks[r].alive))
+        await self.launcher.signal([self.ranks[r].process for r in ranks if r in self.ranks and self.ranks[r].alive],
+                                   signal.SIGINT)
 
     async def shutdown(self, now: bool = False) -> None:
         """End every rank process and remove the runtime directory."""
         self.closing = True
         if self._watch_task is not None:
             self._watch_task.cancel()
-
-        async def stop(r: Rank) -> None:
+        for r in self.ranks.values():
             if r.channel is not None:
                 r.channel.close()
-            # a stopped rank cannot answer a shutdown request: don't wait for one
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(r.process.shutdown(now=now or bool(r.stopped)), timeout=3 if now else 5)
-            r.process.kill()
-
-        await asyncio.gather(*(stop(r) for r in self.ranks.values()), return_exceptions=True)
-        if self.remote is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.remote.stop(), 10)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.launcher.stop(now=now), 10)
         # what the ranks started outside their process groups (os.setsid, daemons) too
         await asyncio.get_running_loop().run_in_executor(None, kill_kernel_processes, self.runtime_dir,
                                                          self._rank_pids())
         self._remove_runtime_dir()
 
     def kill_now(self) -> None:
-        """SIGKILL rank process groups synchronously (used at exit, from any thread)."""
-        for r in list(self.ranks.values()):
-            r.process.kill()
-        if self.remote is not None:
-            self.remote.stop_sync()
+        """End every rank synchronously (used at exit, from any thread): the launcher's last
+        resort, then every process of the kernel (the ranks' sessions and groups included)."""
+        self.launcher.stop_now()
+        kill_kernel_processes(self.runtime_dir, self._rank_pids())
 
     def cleanup_sync(self) -> None:
         """Last-resort cleanup when the parent exits without a shutdown request."""
         self.closing = True
         self.kill_now()
-        kill_kernel_processes(self.runtime_dir, self._rank_pids())
         self._remove_runtime_dir()
 
     def _rank_pids(self) -> list[int]:
-        """The rank processes on this machine. Ranks on other machines have pids that mean
-        nothing here: their agents end them, and the launcher (srun, ssh) records its own
-        processes and job for the reaper (cluster.py)."""
-        if self.remote is not None:
-            return []
-        return [p for p in (r.pid for r in self.ranks.values()) if p]
+        """The rank processes on this machine (their sessions and groups are the kernel's).
+        Ranks on other machines have pids that mean nothing here: their agents end them, and
+        the launcher (srun, ssh) records its own processes and job for the reaper."""
+        return [p for p in (r.pid for r in self.ranks.values() if not r.host) if p]
 
     def _remove_runtime_dir(self) -> None:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)

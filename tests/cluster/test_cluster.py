@@ -917,6 +917,15 @@ def test_a_node_whose_link_goes_down_is_reported_and_nothing_is_left(fresh_kerne
     after_fault(k, "the link came back")
 
 
+def rank_parts(res) -> list[str]:
+    """The first line of each rank's part of the cell's error: one line per rank ("[rank 2:
+    ...]" of a DistributedError, or the whole value when every rank failed alike)."""
+    (err,) = res.of_type("error")
+    value = err.content["evalue"]
+    parts = re.findall(r"\[rank [0-9, -]+: ([^\n\]]*)", value)
+    return parts or [value.splitlines()[0]]
+
+
 @pytest.mark.parametrize("launcher", ["slurm"])
 def test_scancel_of_the_job_is_reported_and_nothing_is_left(fresh_kernel, launcher):
     k = fresh_kernel
@@ -926,6 +935,11 @@ def test_scancel_of_the_job_is_reported_and_nothing_is_left(fresh_kernel, launch
     print(f"scancel: reported after {took:.1f} s:\n{text[:600]}")
     assert took < REPORT_WITHIN, text
     assert re.search(r"scancel|cancel", text) and names_ranks(text, list(range(k.world))), text
+    # the cause first, in every rank's part, before how srun ended (often with code 0 after a cancel)
+    cause = f"Slurm job {job} was cancelled (scancel)"
+    assert "srun exited" not in text or text.index(cause) < text.index("srun exited"), text
+    for part in rank_parts(res):
+        assert cause in part, part
     assert wait_until(lambda: job_table()[job][0] not in QUEUED, 15), f"job {job} still in squeue: {job_table()[job]}"
     after_fault(k, "scancel")
 
@@ -953,6 +967,23 @@ def test_a_rank_killed_on_a_node_is_reported_with_its_host(fresh_kernel, launche
     assert took < REPORT_WITHIN, text
     assert blames(text, "n2") and names_ranks(text, [victim_rank]) and "SIGKILL" in text, text
     after_fault(k, "a rank's SIGKILL")
+
+
+@pytest.mark.parametrize("launcher", ["slurm"])
+def test_a_rank_killed_in_a_collective_gives_every_rank_the_clear_message(fresh_kernel, launcher):
+    """Rank 3 (on n2) is killed while every rank loops in all_reduce: its node-mate (rank 2),
+    whose gloo pair to it breaks first, says what happened as the others do, not gloo's words."""
+    k = fresh_kernel
+    victim_rank = remote_ranks(k, "n2")[-1]
+    (victim,) = [p for p in k.ranks_on("n2") if environ_of(p.pid).get("RANK") == str(victim_rank)]
+    loop = "t = torch.ones(1)\nwhile True:\n    dist.all_reduce(t)"
+    res, _ = cell_with_fault(k, lambda: kill_pid(victim), code=loop)
+    text = error_text(res)
+    print(f"rank SIGKILL in all_reduce:\n{text[:1200]}")
+    assert "pair.cc" not in text and "Read error" not in text, text
+    assert names_ranks(text, [victim_rank]) and "SIGKILL" in text, text
+    assert names_ranks(text, list(range(k.world))), text
+    after_fault(k, "a rank's SIGKILL in a collective")
 
 
 @pytest.mark.parametrize("launcher", ["slurm", "ssh"])

@@ -1,4 +1,5 @@
-"""Starting node agents through Slurm's srun or ssh (dist_kernel/parent/cluster.py, issue 13).
+"""Starting node agents through Slurm's srun or ssh (dist_kernel/parent/cluster.py, slurm.py, ssh.py, listen.py;
+issue 13).
 
 The pure parts (command lines, srun's messages, the words of a failure, the allocation check)
 are checked without a cluster; the launchers themselves against the two-node lab of
@@ -19,27 +20,20 @@ import signal
 import subprocess
 import sys
 import time
-import types
 import uuid
 from pathlib import Path
 
 import pytest
 
 from dist_kernel.exceptions import ConfigError
-from dist_kernel.parent import cleanup, cluster
-from dist_kernel.parent.cluster import (
-    NodeLauncher,
-    SlurmLauncher,
-    SshLauncher,
-    check_allocation,
-    default_listen,
-    exit_words,
-    make_launcher,
-    parse_srun_line,
-    srun_argv,
-    ssh_argv,
-)
+from dist_kernel.options import KernelConfig
+from dist_kernel.parent import cleanup, cluster, slurm, ssh
+from dist_kernel.parent.cluster import NodeLauncher, exit_words
+from dist_kernel.parent.listen import default_listen
 from dist_kernel.parent.reaper import reap, write_launch
+from dist_kernel.parent.remote import make_launcher
+from dist_kernel.parent.slurm import SlurmLauncher, check_allocation, parse_srun_line, srun_argv
+from dist_kernel.parent.ssh import SshLauncher, ssh_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 LOG = logging.getLogger("test_cluster_launch")
@@ -60,10 +54,12 @@ STUCK_AGENT = ("import sys, os, socket, time\n"
                "time.sleep(600)\n")
 
 
-def config(**kw) -> types.SimpleNamespace:
+def config(**kw) -> KernelConfig:
+    """A kernel's configuration as options.py makes it (1 rank per node unless told)."""
     base = {"launcher": "slurm", "nodes": 2, "ranks_per_node": 1, "hosts": (), "slurm_args": (),
             "listen": None, "port_range": None, "startup_timeout": 30.0}
-    return types.SimpleNamespace(**{**base, **kw})
+    cfg = {**base, **kw}
+    return KernelConfig(world_size=cfg["nodes"] * cfg["ranks_per_node"], backend="gloo", **cfg)
 
 
 # =============================================================================== pure parts
@@ -78,18 +74,18 @@ def test_srun_runs_one_agent_per_node_with_the_users_args_before_the_agent():
 
 
 def test_the_job_name_is_the_runtime_dirs_unless_the_user_names_the_job():
-    assert cluster.job_name("/tmp/dist_kernel-42-x1y2z3") == "dist_kernel-42-x1y2z3"
-    assert cluster.job_name("/elsewhere/run") == f"dist_kernel-{os.getpid()}"
-    assert cluster.effective_job_name(("-p", "a"), "ours") == "ours"
-    assert cluster.effective_job_name(("-J", "mine", "-p", "a"), "ours") == "mine"
-    assert cluster.effective_job_name(("--job-name=mine",), "ours") == "mine"
-    assert cluster.effective_job_name(("-Jmine", "--job-name", "last"), "ours") == "last"
+    assert slurm.job_name("/tmp/dist_kernel-42-x1y2z3") == "dist_kernel-42-x1y2z3"
+    assert slurm.job_name("/elsewhere/run") == f"dist_kernel-{os.getpid()}"
+    assert slurm.effective_job_name(("-p", "a"), "ours") == "ours"
+    assert slurm.effective_job_name(("-J", "mine", "-p", "a"), "ours") == "mine"
+    assert slurm.effective_job_name(("--job-name=mine",), "ours") == "mine"
+    assert slurm.effective_job_name(("-Jmine", "--job-name", "last"), "ours") == "last"
 
 
 def test_ssh_takes_the_users_options_first_and_quotes_the_remote_command(monkeypatch):
     agent = ["/opt/my env/bin/python", "-m", "dist_kernel.node", "--parent", "tcp://10.0.0.1:5000",
              "--node-rank", "1", "it's $HOME; `x`"]
-    env = {cluster.SSH_OPTS_ENV: "-p 2222 -o 'ProxyJump=jump host' -l me"}
+    env = {ssh.SSH_OPTS_ENV: "-p 2222 -o 'ProxyJump=jump host' -l me"}
     argv = ssh_argv("node7", agent, env)
     assert argv[:3] == ["ssh", "-T", "-x"]
     user = ["-p", "2222", "-o", "ProxyJump=jump host", "-l", "me"]
@@ -99,9 +95,9 @@ def test_ssh_takes_the_users_options_first_and_quotes_the_remote_command(monkeyp
     assert argv.index("ConnectTimeout=10") > i + len(user) and argv.index("BatchMode=yes") > i
     assert argv[-3:-1] == ["--", "node7"]
     assert shlex.split(argv[-1]) == agent  # what the remote shell runs
-    assert ssh_argv("n", ["a"], {})[:-3] == ["ssh", "-T", "-x", "-a", *cluster.SSH_DEFAULT_OPTS]
-    with pytest.raises(ConfigError, match=cluster.SSH_OPTS_ENV):
-        ssh_argv("n", ["a"], {cluster.SSH_OPTS_ENV: "-o 'unclosed"})
+    assert ssh_argv("n", ["a"], {})[:-3] == ["ssh", "-T", "-x", "-a", *ssh.SSH_DEFAULT_OPTS]
+    with pytest.raises(ConfigError, match=ssh.SSH_OPTS_ENV):
+        ssh_argv("n", ["a"], {ssh.SSH_OPTS_ENV: "-o 'unclosed"})
 
 
 @pytest.mark.parametrize("line, parsed", [
@@ -116,6 +112,68 @@ def test_ssh_takes_the_users_options_first_and_quotes_the_remote_command(monkeyp
 ])
 def test_srun_messages_about_the_job_are_recognised(line, parsed):
     assert parse_srun_line(line) == parsed
+
+
+@pytest.mark.parametrize("line, said", [
+    ("slurmstepd-n1: error: *** STEP 21.0 ON n1 CANCELLED AT 2026-11-25T16:39:24 ***",
+     ("21", "n1", "", "Slurm job 21 was cancelled (scancel)")),
+    ("srun: error: *** JOB 7 ON n2 CANCELLED AT 2026-01-01T10:00:00 DUE TO TIME LIMIT ***",
+     ("7", "n2", "time limit", "Slurm job 7 reached its time limit (--time)")),
+    ("slurmstepd: error: *** STEP 6.0 ON n1 CANCELLED AT 2026-01-01T10:00:00 DUE TO NODE FAILURE ***",
+     ("6", "n1", "node failure", "Slurm job 6 ended: node n1 failed")),
+])
+def test_slurms_word_that_it_cancelled_the_job_is_read_as_a_typed_event(line, said):
+    cancel = slurm.parse_cancel_line(line)
+    assert (cancel.job, cancel.node, cancel.reason, cancel.words()) == said and cancel.line == line
+    assert slurm.parse_cancel_line("srun: Job step aborted: Waiting up to 5 seconds for job step to finish.") is None
+
+
+def test_a_cancelled_job_is_the_failure_said_first_even_before_srun_exits_with_code_0(tmp_path):
+    line = "slurmstepd-n1: error: *** STEP 5.0 ON n1 CANCELLED AT 2026-11-25T16:39:24 ***"
+
+    class FakeSrun(SlurmLauncher):
+        def commands(self):
+            return [("srun", None, [sys.executable, "-c", f"import sys, time; print({line!r}, flush=True); "
+                                                          "sys.stdin.readline(); time.sleep(1); sys.exit(0)"])]
+
+    async def go():
+        fake = FakeSrun(config(), lambda i: [], runtime(tmp_path), LOG, print, environ={})
+        await fake.start(BOOTSTRAP)
+        await until(lambda: fake.failure() is not None, 10, allow_failure=True)
+        early = fake.failure()
+        await until(lambda: fake._children[0].popen.poll() is not None, 10, allow_failure=True)
+        await asyncio.sleep(0.2)
+        late = fake.failure()
+        fake.expect_exit()
+        await fake.stop()
+        return early, late
+
+    early, late = asyncio.run(go())
+    assert early == f"Slurm job 5 was cancelled (scancel).\n{line}"
+    assert late.startswith("Slurm job 5 was cancelled (scancel).\nsrun exited with code 0: ") and line in late
+
+
+def test_a_step_that_srun_ends_itself_after_a_task_failed_is_no_cancellation(tmp_path):
+    # --kill-on-bad-exit: srun says which task failed, ends the step, then slurmstepd says CANCELLED
+    lines = ["srun: error: n2: task 1: Killed", "srun: launch/slurm: _step_signal: Terminating StepId=76.0",
+             "slurmstepd-n1: error: *** STEP 76.0 ON n1 CANCELLED AT 2026-11-25T17:18:40 ***",
+             "srun: error: n1: task 0: Terminated"]
+
+    class FakeSrun(SlurmLauncher):
+        def commands(self):
+            return [("srun", None, [sys.executable, "-c", f"import sys; sys.stdin.readline(); print({chr(10).join(lines)!r});"
+                                                          "sys.exit(137)"])]
+
+    async def go():
+        fake = FakeSrun(config(), lambda i: [], runtime(tmp_path), LOG, print, environ={})
+        await fake.start(BOOTSTRAP)
+        await until(lambda: fake.failure() is not None, 10, allow_failure=True)
+        words = fake.failure()
+        fake.expect_exit()
+        await fake.stop()
+        return words
+
+    assert asyncio.run(go()) == "srun exited with code 137: " + "\n".join(lines)
 
 
 def test_failure_words_quote_the_last_lines():
@@ -146,13 +204,13 @@ def test_inside_an_allocation_nodes_must_match_it():
 
 
 def test_slurm_hostlists_and_controller_lines_are_read():
-    assert cluster._expand_hostlist("n[1-2],gpu[07-09,12],login") == [
+    assert slurm._expand_hostlist("n[1-2],gpu[07-09,12],login") == [
         "n1", "n2", "gpu07", "gpu08", "gpu09", "gpu12", "login"]
-    assert cluster._expand_hostlist("r[1-2]-n[1-2]") == ["r1-n1", "r1-n2", "r2-n1", "r2-n2"]
-    assert cluster.parse_slurmctld_host("SlurmctldHost[0]        = ctl(10.77.0.1)\n") == "10.77.0.1"
-    assert cluster.parse_slurmctld_host("x = 1\nSlurmctldHost[0] = head01\nSlurmctldHost[1] = head02\n") == "head01"
-    assert cluster.parse_slurmctld_host("ControlMachine = old\nControlAddr = 10.1.1.1\n") == "10.1.1.1"
-    assert cluster.parse_slurmctld_host("nothing here") is None
+    assert slurm._expand_hostlist("r[1-2]-n[1-2]") == ["r1-n1", "r1-n2", "r2-n1", "r2-n2"]
+    assert slurm.parse_slurmctld_host("SlurmctldHost[0]        = ctl(10.77.0.1)\n") == "10.77.0.1"
+    assert slurm.parse_slurmctld_host("x = 1\nSlurmctldHost[0] = head01\nSlurmctldHost[1] = head02\n") == "head01"
+    assert slurm.parse_slurmctld_host("ControlMachine = old\nControlAddr = 10.1.1.1\n") == "10.1.1.1"
+    assert slurm.parse_slurmctld_host("nothing here") is None
 
 
 def test_a_listen_address_on_the_loopback_route_or_no_route_is_an_error_naming_the_host():
@@ -322,7 +380,7 @@ def dead_pid() -> int:
 def lab(lab):
     """The lab (tests/cluster/conftest.py) as this module's commands need it: over this process's
     environment, with the lab's ssh options where the launcher reads them."""
-    return {**os.environ, **lab, cluster.SSH_OPTS_ENV: lab["LAB_SSH_OPTS"]}
+    return {**os.environ, **lab, ssh.SSH_OPTS_ENV: lab["LAB_SSH_OPTS"]}
 
 
 def lab_run(lab, *argv: str, check: bool = False) -> str:
@@ -576,20 +634,23 @@ def test_the_default_listen_address_is_this_machines_on_the_route_to_the_nodes(l
     assert default_listen(config(launcher="slurm"), lab) == "10.77.0.1"
     # inside one: the route to the first allocated node (n1, NodeAddr 10.77.0.11)
     inside = {**lab, "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"}
-    assert cluster.expand_hostlist("n[1-2]", inside) == ["n1", "n2"]
-    assert cluster.slurm_node_address("n2", inside) == "10.77.0.12"
+    assert slurm.expand_hostlist("n[1-2]", inside) == ["n1", "n2"]
+    assert slurm.slurm_node_address("n2", inside) == "10.77.0.12"
     assert default_listen(config(launcher="slurm"), inside) == "10.77.0.1"
 
 
 REAPED_PARENT = """
 import asyncio, json, logging, os, subprocess, sys, tempfile, types
-from dist_kernel.parent.cluster import SlurmLauncher, SshLauncher
+from dist_kernel.options import KernelConfig
+from dist_kernel.parent.slurm import SlurmLauncher
+from dist_kernel.parent.ssh import SshLauncher
 kind, token, agent, python = sys.argv[1:5]
 env = json.loads(sys.stdin.readline())
 rd = tempfile.mkdtemp(prefix=f"dist_kernel-{os.getpid()}-")
 reaper = subprocess.Popen([sys.executable, "-m", "dist_kernel.parent.reaper", str(os.getpid()), rd],
                           stdin=subprocess.DEVNULL, start_new_session=True)
-cfg = types.SimpleNamespace(launcher=kind, nodes=2, hosts=("10.77.0.11", "10.77.0.12"), slurm_args=())
+cfg = KernelConfig(world_size=2, backend="gloo", launcher=kind, nodes=2, ranks_per_node=1,
+                   hosts=("10.77.0.11", "10.77.0.12") if kind == "ssh" else ())
 cls = SlurmLauncher if kind == "slurm" else SshLauncher
 launcher = cls(cfg, lambda node: [python, "-c", agent, token], rd, logging.getLogger(), print, environ=env)
 async def main():
@@ -669,7 +730,7 @@ def test_make_launcher_picks_the_launcher(tmp_path):
 def test_keys_for_slurm_nodes_travel_munge_wrapped_decodable_once_per_munged_and_never_in_clear(lab):
     from dist_kernel import tunnel
 
-    sock = cluster.munge_socket(lab)
+    sock = slurm.munge_socket(lab)
     assert sock == "/run/dk-cluster-lab/munge/munge.socket"  # the lab's own munged (AuthInfo)
     secret = b'{"client_secret": "' + uuid.uuid4().hex.encode() + b'"}\n'
     line = tunnel.munge_wrap(secret, sock)

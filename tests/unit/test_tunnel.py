@@ -88,6 +88,7 @@ def test_a_users_interface_choice_and_gpu_mask_win():
 
 # ------------------------------------------------------------------ the listener (loopback only)
 def _listener(tmp_path):
+    import asyncio
     import logging
     import threading
 
@@ -104,9 +105,16 @@ def _listener(tmp_path):
         got.set()
 
     cfg = KernelConfig(world_size=2, backend="gloo", launcher="ssh", nodes=2, ranks_per_node=1, hosts=("a", "b"))
-    t = Tunnel(cfg, keys, str(tmp_path), on_event, logging.getLogger("test"))
+    t = Tunnel(cfg, keys, on_event, logging.getLogger("test"))
     port = t.bind("127.0.0.1")
-    t.start()
+    # the listener lives on the kernel's event loop: here, one of its own in a thread
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def start() -> None:
+        t.start()
+
+    asyncio.run_coroutine_threadsafe(start(), loop).result(5)
     return t, keys, port, heard, got
 
 
