@@ -29,7 +29,7 @@ DEFAULTS: dict[str, object] = {
     "ranks": None, "gpus": None, "backend": None, "timeout": 1800.0, "startup_timeout": 120.0,
     "merge_window_ms": 100.0, "fastai": True, "seed": None, "hang_grace": 10.0, "empty_cache": True,
     "rich_output": "all", "launcher": "local", "nodes": 1, "ranks_per_node": None, "hosts": None,
-    "slurm_args": None, "listen": None, "port_range": None,
+    "slurm_args": None, "listen": None, "port_range": None, "hf": True,
 }
 
 
@@ -62,6 +62,8 @@ OPTIONS: dict[str, str] = {
     "listen": "the parent's address as the nodes see it, no port (slurm/ssh; default: this "
               "machine's address on its route to the nodes)",
     "port_range": "A-B: ports to listen on and for rank 0's rendezvous (slurm/ssh; default: random free ports)",
+    "hf": f"on|off: Hugging Face integration inside the ranks: accelerate's notebook_launcher and print, "
+          f"Transformers' Trainer output (default {_default('hf')})",
 }
 
 #: option name -> environment variable that overrides it
@@ -98,6 +100,7 @@ class KernelConfig:
     slurm_args: tuple[str, ...] = ()  # extra srun/salloc arguments, already split
     listen: str | None = None  # the parent's address as the nodes see it; None: decided at start
     port_range: tuple[int, int] | None = None  # inclusive; None: random free ports
+    hf: bool = DEFAULTS["hf"]  # type: ignore[assignment]
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -307,7 +310,7 @@ def resolve(ns: argparse.Namespace, environ: dict[str, str] | None = None,
                         empty_cache=_switch("empty_cache", raw["empty_cache"], KernelConfig.empty_cache),
                         rich_output=output, launcher=launcher, nodes=nodes, ranks_per_node=per_node,
                         hosts=hosts, slurm_args=slurm_args, listen=listen, port_range=port_range,
-                        warnings=tuple(warnings))
+                        hf=_switch("hf", raw["hf"], KernelConfig.hf), warnings=tuple(warnings))
 
 
 def _switch(name: str, raw: str | None, default: bool) -> bool:

@@ -64,6 +64,7 @@ class Join(Request):
     first: bool
     seed: int | None = None
     fastai: bool = False
+    hf: bool = False  # the Hugging Face integration (accelerate, Transformers)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class Teardown(Request):
 @dataclass(frozen=True)
 class SetOption(Request):
     """Switch a rank-side behaviour at run time: ``empty_cache`` (free the CUDA cache after
-    each cell) or ``fastai`` (the fastai integration)."""
+    each cell), ``fastai`` (the fastai integration) or ``hf`` (accelerate and Transformers)."""
 
     op: ClassVar[str] = "set_option"
     name: str
@@ -105,7 +106,7 @@ class SetOption(Request):
 
 #: every request, by op
 REQUESTS: dict[str, type[Request]] = {c.op: c for c in (Join, Where, Status, Teardown, SetOption)}
-OPTION_NAMES = ("empty_cache", "fastai")
+OPTION_NAMES = ("empty_cache", "fastai", "hf")
 
 
 # ---------------------------------------------------------------------- replies

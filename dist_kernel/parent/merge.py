@@ -209,6 +209,9 @@ class CellMerger:
     # ----------------------------------------------------------------- input
     def add(self, rank: int, msg_type: str, content: dict, now: float) -> None:
         """Feed one IOPub output of ``rank``."""
+        if msg_type == "stream" and "metadata" in content:
+            self._add_solo_stream(rank, content, now)
+            return
         if msg_type == "stream" and self._add_chunk(rank, content.get("name", "stdout"), content.get("text", ""), now):
             return
         if self._chunks:
@@ -288,7 +291,8 @@ class CellMerger:
         as in the cell."""
         if msg_type == "stream":
             text = content.get("text", "")
-            self._out.append(("stream", dict(content, text=label_lines(text, [rank]) if labelled else text)))
+            name = content.get("name", "stdout")
+            self._out.append(("stream", {"name": name, "text": label_lines(text, [rank]) if labelled else text}))
         elif msg_type in RICH_TYPES and (content.get("transient") or {}).get("display_id") is not None:
             content = dict(content)
             display_id = content.pop("transient")["display_id"]
@@ -373,6 +377,21 @@ class CellMerger:
             self._push(rank, _Item("stream", ("stream", name, line), {"name": name, "text": line}, t0, size=len(line)))
             t0 = now
         part.text, part.t = rest, (now if lines else part.t)
+
+    def _add_solo_stream(self, rank: int, content: dict, now: float) -> None:
+        """Text the rank marked as its alone (``agent.solo_output(streams=True)``: rank 0's log
+        line that the other ranks never print) is shown unlabelled, in its place, as it is."""
+        self._split_chunks(now)
+        self._flush_partials(rank, now, force=True)
+        name, text = content.get("name", "stdout"), content.get("text", "")
+        meta = content.get("metadata")
+        marked = isinstance(meta, dict) and isinstance(meta.get("dist_kernel"), dict) and meta["dist_kernel"].get("solo")
+        if not marked or len(self.ranks) == 1:
+            self._add_stream(rank, name, text, now)
+        else:
+            self._push(rank, _Item("stream", ("solo", rank, id(content)), {"name": name, "text": text}, now,
+                                   solo=True, size=len(text)))
+        self._drain(now)
 
     def _flush_partials(self, rank: int, now: float, force: bool = False,
                         names: tuple[str, ...] = ("stdout", "stderr")) -> None:
@@ -528,7 +547,7 @@ class CellMerger:
             if not live:
                 return
             solo = next((r for r in live if queues[r][0].solo), None)
-            if solo is not None:  # the one rank whose rich output is shown: as if all showed it
+            if solo is not None:  # the one rank whose output is shown: as if all showed it
                 self._emit(self._pop(solo), None)
                 continue
             if len(live) == len(parts):

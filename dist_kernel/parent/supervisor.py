@@ -200,7 +200,8 @@ class RankSupervisor:
         req = protocol.Join(rank=rank, world_size=cfg.world_size, local_rank=rank % cfg.ranks_per_node,
                             backend=cfg.backend, store=self._store(),
                             timeout=cfg.timeout, use_cuda=cfg.uses_cuda, first=first,
-                            seed=self.seed if first else None, fastai=cfg.fastai)
+                            seed=self.seed if first else None, fastai=cfg.fastai,
+                            hf=cfg.hf)
         try:
             reply = await r.channel.request(req, timeout=cfg.startup_timeout)
         except RankRequestError as e:

@@ -55,6 +55,10 @@ def join(req: Join) -> str:
         from dist_kernel.rank import fastai as fastai_integration
 
         fastai_integration.install()
+    if req.first and req.hf:
+        from dist_kernel.rank import hf
+
+        hf.install()
     return str(device)
 
 

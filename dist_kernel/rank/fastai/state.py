@@ -6,9 +6,9 @@ package's ``install`` depend on it, and not on each other: no import cycle.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import wraps
-from typing import Any
+from dist_kernel.rank.integration import rank, shows_output, wrap_once
+
+__all__ = ["active", "dist_fastai", "enabled", "rank", "set_enabled", "shows_output", "wrap_once"]
 
 #: the run-time switch (``%dist_fastai on|off``); the patched functions consult it on every call
 enabled: bool = True
@@ -21,31 +21,6 @@ def active() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def rank() -> int:
-    """This process's rank in the group (0 without one)."""
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def shows_output() -> bool:
-    """Is this rank the one that shows what a single process would show once? The lowest rank
-    running the current cell: rank 0 usually, rank 1 in a ``%%rank 1`` cell."""
-    from dist_kernel.rank.agent import cell_ranks
-
-    return rank() == min(cell_ranks())
-
-
-def wrap_once(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
-    """Replace ``owner.name`` by ``make(original)``, unless that was done already."""
-    original = getattr(owner, name)
-    if getattr(original, "__dist_kernel__", False):
-        return
-    new = wraps(original)(make(original))
-    new.__dist_kernel__ = True
-    setattr(owner, name, new)
 
 
 def set_enabled(on: bool) -> None:
