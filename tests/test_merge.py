@@ -543,3 +543,29 @@ class TestOutputBudget:
         th.publish("stream", {"name": "stdout", "text": "start\n10%\r20%\r30%\ndone\n"})
         th.close()
         assert shown[-1][1]["text"] == "start\n10%\r20%\r30%\ndone\n"
+
+
+def say_solo(t, rank, text, name="stdout"):
+    """A stream message a rank marked as its alone (``agent.solo_output(streams=True)``)."""
+    return (t, rank, "stream", {"name": name, "text": text, "metadata": {"dist_kernel": {"solo": True}}})
+
+
+class TestSoloStreams:
+    def test_text_only_rank_0_prints_but_marked_as_its_alone_shows_once_unlabelled_without_the_mark(self):
+        out = run(CellMerger([0, 1], W), [say(0, 0, "start\n"), say(0.01, 1, "start\n"),
+                                          say_solo(0.02, 0, "epoch 0: loss 0.5"), say_solo(0.03, 0, "\n"),
+                                          say(0.04, 0, "done\n"), say(0.05, 1, "done\n")])
+        assert streams(out) == "start\nepoch 0: loss 0.5\ndone\n"
+        assert all(set(c) == {"name", "text"} for t, c in out if t == "stream")
+
+    def test_unmarked_text_only_rank_0_prints_is_still_labelled(self):
+        out = run(CellMerger([0, 1], W), [say(0, 0, "mine\n")])
+        assert streams(out) == "[rank 0] mine\n"
+
+    def test_solo_text_keeps_its_place_among_the_ranks_own_output(self):
+        out = run(CellMerger([0, 1], W), [say(0, 0, "a\n"), say_solo(0.01, 0, "bar 100%\n"), say(0.02, 1, "a\n")])
+        assert streams(out) == "a\nbar 100%\n"
+
+    def test_in_a_one_rank_cell_the_mark_is_dropped_and_the_text_is_plain(self):
+        out = run(CellMerger([1], W), [say_solo(0, 1, "x\n")])
+        assert out == [("stream", {"name": "stdout", "text": "x\n"})]

@@ -17,10 +17,9 @@ switches the patches at run time: they stay in place but pass straight through w
 from __future__ import annotations
 
 from dist_kernel.rank import import_hook
-from dist_kernel.rank.integration import Switch
+from dist_kernel.rank.integration import hf as switch
 
-#: the run-time switch (``--hf``, ``%dist_hf on|off``), consulted by every patched function
-switch = Switch("hf", "Hugging Face (accelerate, Transformers)")
+__all__ = ["install", "switch"]
 
 
 def install() -> None:

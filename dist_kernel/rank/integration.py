@@ -47,6 +47,11 @@ class Switch:
             shell.register_magic_function(self.magic, "line", f"dist_{self.name}")
 
 
+#: the Hugging Face integration's switch (``--hf``, ``%dist_hf``): here, so that
+#: :mod:`dist_kernel.rank.hf` and the patch packages it installs all read it without a cycle
+hf = Switch("hf", "Hugging Face (accelerate, Transformers)")
+
+
 def world_size() -> int:
     """The group's size (1 without one)."""
     import torch.distributed as dist

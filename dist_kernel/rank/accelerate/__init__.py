@@ -18,13 +18,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from dist_kernel.rank.integration import world_size, wrap_once
-
-
-def _switch():  # noqa: ANN202 - the hf Switch (imported late: hf imports this module)
-    from dist_kernel.rank.hf import switch
-
-    return switch
+from dist_kernel.rank.integration import hf, world_size, wrap_once
 
 
 def check_processes(num_processes: int | None, num_nodes: int, world: int) -> None:
@@ -47,7 +41,7 @@ def _on_ranks(original: Callable) -> Callable:
     signature = inspect.signature(original)
 
     def notebook_launcher(*args: Any, **kwargs: Any) -> None:
-        if not _switch().active():
+        if not hf.active():
             return original(*args, **kwargs)
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
@@ -72,7 +66,7 @@ def _on_ranks(original: Callable) -> Callable:
 
 def _print_once(original: Callable) -> Callable:
     def print(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: A001 - PartialState.print
-        if not _switch().active() or not self.use_distributed:
+        if not hf.active() or not self.use_distributed:
             return original(self, *args, **kwargs)
         from dist_kernel.rank.agent import flush_streams, solo_output
 

@@ -16,13 +16,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from dist_kernel.rank.integration import shows_output, wrap_once
-
-
-def _switch():  # noqa: ANN202 - the hf Switch (imported late: hf imports this module)
-    from dist_kernel.rank.hf import switch
-
-    return switch
+from dist_kernel.rank.integration import hf, shows_output, wrap_once
 
 
 def _shown_once(original: Callable) -> Callable:
@@ -31,7 +25,7 @@ def _shown_once(original: Callable) -> Callable:
     output marks what it shows as its alone, the other ranks' displays are dropped."""
 
     def event(*args: Any, **kwargs: Any) -> Any:
-        if not _switch().active():
+        if not hf.active():
             return original(*args, **kwargs)
         from dist_kernel.rank.agent import dropped_output, flush_streams, solo_output
 
@@ -49,7 +43,7 @@ def _main_output_solo(original: Callable) -> Callable:
     """Run on every rank; what the rank that shows output prints is marked as its alone."""
 
     def method(*args: Any, **kwargs: Any) -> Any:
-        if not _switch().active():
+        if not hf.active():
             return original(*args, **kwargs)
         from dist_kernel.rank.agent import flush_streams, solo_output
 
