@@ -277,8 +277,12 @@ def markdown(res: dict, idle: bool = True) -> str:
     dist = res.get("dist", {})
     meta = res.get("meta", {})
     lines = ["# dist_kernel benchmarks", "", *_header(res)]
-    if not dist:  # --only idle, --only cluster
-        return "\n".join(lines + [idle_block(res) if res.get("idle") else cluster.markdown(res)])
+    if not dist:  # --only idle, --only cluster, --only hf
+        from benchmarks import hf_train
+
+        section = (idle_block(res) if res.get("idle") else hf_train.markdown(res) if res.get("hf")
+                   else cluster.markdown(res))
+        return "\n".join(lines + [section])
 
     # 1. round trip
     lines += [SECTIONS[0], "", "`x = 1`, from sending execute_request to the kernel's idle status, in ms. "
