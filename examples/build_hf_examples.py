@@ -131,7 +131,7 @@ ACCELERATE = [
         "    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)\n"
         "    dl = DataLoader(TensorDataset(X[:512], Y[:512]), batch_size=32, shuffle=True)\n"
         "    model, optimizer, dl = accelerator.prepare(model, optimizer, dl)\n"
-        "    for epoch in range(epochs):\n"
+        "    for _ in range(epochs):\n"
         "        for x, y in dl:\n"
         "            loss = nn.functional.mse_loss(model(x), y)\n"
         "            accelerator.backward(loss)\n"
