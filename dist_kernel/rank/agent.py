@@ -254,6 +254,11 @@ def set_device(device: str) -> None:
     _state["device"] = device
 
 
+def device() -> str:
+    """The device the kernel gave this rank (``cpu``, ``cuda:0``, ...)."""
+    return str(_state.get("device", "cpu"))
+
+
 def teardown_group(peer_pids: list[int], peer_hosts: list[str] | None = None) -> Done:
     """Break this rank's process group, so that every collective on it raises at once.
 

@@ -52,11 +52,18 @@ class Switch:
 hf = Switch("hf", "Hugging Face (accelerate, Transformers)")
 
 
+def in_group() -> bool:
+    """Has the kernel formed this rank's process group (of any size)?"""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_size() -> int:
     """The group's size (1 without one)."""
     import torch.distributed as dist
 
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if in_group() else 1
 
 
 def rank() -> int:

@@ -13,12 +13,11 @@ in a notebook, and are patched here (see :mod:`dist_kernel.rank.hf`):
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from dist_kernel.rank.integration import hf, world_size, wrap_once
+from dist_kernel.rank.integration import hf, in_group, world_size, wrap_once
 
 
 def check_processes(num_processes: int | None, num_nodes: int, world: int) -> None:
@@ -41,7 +40,7 @@ def _on_ranks(original: Callable) -> Callable:
     signature = inspect.signature(original)
 
     def notebook_launcher(*args: Any, **kwargs: Any) -> None:
-        if not hf.active():
+        if not hf.enabled or not in_group():  # a 1-rank kernel too: its one rank is the process
             return original(*args, **kwargs)
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
@@ -52,8 +51,10 @@ def _on_ranks(original: Callable) -> Callable:
         precision = str(given["mixed_precision"]).lower()
         if precision not in PrecisionType.list():
             raise ValueError(f"Unknown mixed_precision mode: {precision}. Choose between {PrecisionType.list()}.")
-        device = "GPU" if os.environ.get("CUDA_VISIBLE_DEVICES") else "CPU"
-        print(f"Launching training on {world_size()} {device}s: the kernel's ranks, in their process group "
+        from dist_kernel.rank.agent import device
+
+        kind = "GPU" if device().startswith("cuda") else "CPU"
+        print(f"Launching training on {world_size()} {kind}s: the kernel's ranks, in their process group "
               "(no new processes).")
         # what accelerate's launcher hands its workers: the mixed precision asked for, unless "no"
         env = {"ACCELERATE_MIXED_PRECISION": precision} if precision != "no" else {}
