@@ -1,106 +1,222 @@
 """Kernel configuration: one source of truth.
 
-Options come from the kernel's argv (written into kernel.json by ``python -m dist_kernel
-install``). Each option may be overridden by one environment variable, ``DIST_KERNEL_`` + its
-name in capitals. :data:`OPTIONS` is the only place options are defined; the README's
-Configuration table documents it.
+Every option is declared once, in :data:`OPTIONS`: its name (the flag ``--name-with-dashes``
+and the environment variable ``DIST_KERNEL_NAME``), its parser, its default, its help text and
+the module that consumes it. The command line's flags, their help, the defaults of
+:class:`KernelConfig`, the environment variables and the README's Configuration table (checked
+by a test) all come from there.
+
+Where a value comes from, as in Jupyter's traitlets: the command line (the kernelspec's argv,
+written by ``python -m dist_kernel install``) beats the environment; a ``DIST_KERNEL_*``
+variable fills only an option the command line leaves out; the declared default fills the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import os
 import re
 import shlex
 import shutil
 import subprocess
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from dist_kernel import capacity
+from dist_kernel.capacity import Machine
 from dist_kernel.exceptions import ConfigError
 
 BACKENDS = ("gloo", "nccl")
 #: where the ranks run: this machine, nodes started by Slurm's srun, or hosts reached by ssh
 LAUNCHERS = ("local", "slurm", "ssh")
-
-#: each option's default, written once: the help text, :class:`KernelConfig` and
-#: :func:`resolve` read it from here (None: decided from the machine, see the help text)
-DEFAULTS: dict[str, object] = {
-    "ranks": None, "gpus": None, "backend": None, "timeout": 1800.0, "startup_timeout": 120.0,
-    "merge_window_ms": 100.0, "fastai": True, "seed": None, "hang_grace": 10.0, "empty_cache": True,
-    "rich_output": "all", "launcher": "local", "nodes": 1, "ranks_per_node": None, "hosts": None,
-    "slurm_args": None, "listen": None, "port_range": None, "hf": True,
-}
-
-
-def _default(name: str) -> str:
-    value = DEFAULTS[name]
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-#: option name (``--name-with-dashes``) -> help text
-OPTIONS: dict[str, str] = {
-    "ranks": "number of ranks (default: one per GPU, else 2; with slurm/ssh: nodes x ranks per node)",
-    "gpus": "comma list of physical GPU ids, rank i on the i-th (slurm/ssh: ids on each node, local rank i on the i-th)",
-    "backend": "gloo or nccl (default: nccl when GPUs are used)",
-    "timeout": f"collective timeout in seconds (default {_default('timeout')})",
-    "startup_timeout": f"seconds for ranks to start and form the group (default {_default('startup_timeout')})",
-    "merge_window_ms": f"ms to wait for identical output from other ranks (default {_default('merge_window_ms')})",
-    "fastai": f"on|off: fastai integration inside the ranks (default {_default('fastai')})",
-    "seed": "random seed shared by every rank (default: random)",
-    "hang_grace": f"seconds a rank may wait in a collective the others never entered (default {_default('hang_grace')})",
-    "empty_cache": f"on|off: gc + torch.cuda.empty_cache() after each cell (default {_default('empty_cache')})",
-    "rich_output": f"all|rank0: rich output from every rank (merged) or from rank 0 only (default {_default('rich_output')})",
-    "launcher": f"local|slurm|ssh: where the ranks run: this machine, nodes started by srun, "
-                f"or hosts reached by ssh (default {_default('launcher')})",
-    "nodes": "number of machines (slurm/ssh; default: 1 for slurm, the number of --hosts for ssh)",
-    "ranks_per_node": "ranks on each node (slurm/ssh; default: the number of --gpus, else 1)",
-    "hosts": "comma list of hosts to start the ranks on, node 0 first (ssh only)",
-    "slurm_args": "extra srun/salloc arguments, e.g. \"--partition gpu --time 2:00:00\" (slurm only)",
-    "listen": "the parent's address as the nodes see it, no port (slurm/ssh; default: this "
-              "machine's address on its route to the nodes)",
-    "port_range": "A-B: ports to listen on and for rank 0's rendezvous (slurm/ssh; default: random free ports)",
-    "hf": f"on|off: Hugging Face integration inside the ranks: accelerate's notebook_launcher and print, "
-          f"Transformers' Trainer output (default {_default('hf')})",
-}
-
-#: option name -> environment variable that overrides it
-ENV_OVERRIDES: dict[str, str] = {name: "DIST_KERNEL_" + name.upper() for name in OPTIONS}
-
 OUTPUT_POLICIES = ("all", "rank0")
+ENV_PREFIX = "DIST_KERNEL_"
 
 FIX_HINT = (
     "Fix the option in the kernelspec (reinstall with `python -m dist_kernel install ...`) "
-    "or unset the environment override, then restart the kernel."
+    "or the DIST_KERNEL_* environment variable, then restart the kernel."
 )
+
+#: ``parse(flag, text)``: the value of an option given as ``text``, or a :class:`ConfigError`
+#: naming ``flag``. Checks against other options (the launcher, this machine's GPUs) are in
+#: :func:`resolve`.
+Parser = Callable[[str, str], object]
+
+
+def whole(minimum: int) -> Parser:
+    """A whole number, at least ``minimum``."""
+    def parse(flag: str, text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ConfigError(f"{flag} {text!r} is not a whole number. {FIX_HINT}") from None
+        if value < minimum:
+            raise ConfigError(f"{flag} {value} must be at least {minimum}. {FIX_HINT}")
+        return value
+    return parse
+
+
+def positive(flag: str, text: str) -> float:
+    """A number above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r} is not a number. {FIX_HINT}") from None
+    if value <= 0:
+        raise ConfigError(f"{flag} {value} must be positive. {FIX_HINT}")
+    return value
+
+
+def milliseconds(flag: str, text: str) -> float:
+    """A positive number of milliseconds, as seconds."""
+    return positive(flag, text) / 1000
+
+
+def switch(flag: str, text: str) -> bool:
+    """on|off (true/false, 1/0 also read)."""
+    value = text.strip().lower()
+    if value not in ("on", "off", "true", "false", "1", "0"):
+        raise ConfigError(f"{flag} {text!r} must be on or off. {FIX_HINT}")
+    return value in ("on", "true", "1")
+
+
+def choice(*values: str) -> Parser:
+    """One of ``values``, in any case."""
+    def parse(flag: str, text: str) -> str:
+        value = text.strip().lower()
+        if value not in values:
+            raise ConfigError(f"{flag} {text!r} is unknown; use one of {', '.join(values)}. {FIX_HINT}")
+        return value
+    return parse
+
+
+def verbatim(flag: str, text: str) -> str:  # noqa: ARG001 - the Parser signature
+    """The text as given: checked in :func:`resolve`, where the other options are known."""
+    return text
+
+
+@dataclass(frozen=True)
+class Option:
+    """One kernel option, declared once."""
+
+    name: str
+    parse: Parser
+    #: the value's text when neither the command line nor the environment gives one, parsed like
+    #: a given one; None: decided by :func:`resolve` from the machine or the other options
+    default: str | None
+    help: str  # "{default}" in it is replaced by the default
+    #: the module that reads ``KernelConfig.<field>`` and acts on it
+    consumer: str
+    #: the :class:`KernelConfig` attribute holding the value (default: the option's name)
+    field: str = ""
+    metavar: str = ""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        """The environment variable that sets the option when the command line does not."""
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def attribute(self) -> str:
+        return self.field or self.name
+
+    @property
+    def help_text(self) -> str:
+        return self.help.replace("{default}", self.default or "")
+
+    def default_value(self) -> object:
+        """The default, parsed (None when it is decided by :func:`resolve`)."""
+        return None if self.default is None else self.parse(self.flag, self.default)
+
+
+_SUPERVISOR = "dist_kernel.parent.supervisor"
+_KERNEL = "dist_kernel.parent.kernel"
+_CLUSTER = "dist_kernel.parent.cluster"
+_REMOTE = "dist_kernel.parent.remote"
+
+#: every kernel option, in the order of the help and of a kernelspec's argv
+OPTIONS: tuple[Option, ...] = (
+    Option("ranks", whole(1), None, "number of ranks (default: one per GPU, else 2; with slurm/ssh: "
+           "nodes x ranks per node)", _SUPERVISOR, field="world_size", metavar="N"),
+    Option("gpus", verbatim, None, "comma list of physical GPU ids, rank i on the i-th (slurm/ssh: ids on "
+           "each node, local rank i on the i-th)", "dist_kernel.parent.launcher", metavar="LIST"),
+    Option("backend", choice(*BACKENDS), None, "torch.distributed backend (default: nccl when GPUs are "
+           "used, else gloo)", _SUPERVISOR, metavar="gloo|nccl"),
+    Option("timeout", positive, "1800", "collective timeout in seconds (default {default})", _SUPERVISOR,
+           metavar="S"),
+    Option("startup_timeout", positive, "120", "seconds for ranks to start and form the group "
+           "(default {default})", _SUPERVISOR, metavar="S"),
+    Option("merge_window_ms", milliseconds, "100", "ms to wait for identical output from other ranks "
+           "(default {default})", _KERNEL, field="merge_window", metavar="MS"),
+    Option("fastai", switch, "on", "fastai integration inside the ranks (default {default})", _SUPERVISOR,
+           metavar="on|off"),
+    Option("seed", whole(0), None, "random seed shared by every rank (default: random)", _SUPERVISOR,
+           metavar="N"),
+    Option("hang_grace", positive, "10", "seconds a rank may wait in a collective the others never "
+           "entered (default {default})", _KERNEL, metavar="S"),
+    Option("empty_cache", switch, "on", "gc + torch.cuda.empty_cache() after each cell (default {default})",
+           _SUPERVISOR, metavar="on|off"),
+    Option("rich_output", choice(*OUTPUT_POLICIES), "all", "rich output from every rank (merged) or "
+           "from rank 0 only (default {default})", _KERNEL, metavar="all|rank0"),
+    Option("launcher", choice(*LAUNCHERS), "local", "where the ranks run: this machine, nodes started by "
+           "srun, or hosts reached by ssh (default {default})", _CLUSTER, metavar="local|slurm|ssh"),
+    Option("nodes", whole(1), "1", "number of machines (slurm/ssh; default: 1 for slurm, the number of "
+           "--hosts for ssh)", _REMOTE, metavar="N"),
+    Option("ranks_per_node", whole(1), None, "ranks on each node (slurm/ssh; default: the number of "
+           "--gpus, else 1)", _SUPERVISOR, metavar="G"),
+    Option("hosts", verbatim, None, "comma list of hosts to start the ranks on, node 0 first (ssh only)",
+           _CLUSTER, metavar="H1,H2"),
+    Option("slurm_args", verbatim, None, "extra srun/salloc arguments, e.g. \"--partition gpu --time "
+           "2:00:00\" (slurm only)", _CLUSTER, metavar="ARGS"),
+    Option("listen", verbatim, None, "the parent's address as the nodes see it, no port (slurm/ssh; "
+           "default: this machine's address on its route to the nodes)", _CLUSTER, metavar="ADDR"),
+    Option("port_range", verbatim, None, "ports to listen on and for rank 0's rendezvous (slurm/ssh; "
+           "default: random free ports)", _REMOTE, metavar="A-B"),
+    Option("oversubscribe", switch, "off", "start more ranks than this machine's memory or CPU cores "
+           "can hold (local launcher; default {default})", "dist_kernel.capacity", metavar="on|off"),
+    Option("hf", switch, "on", "Hugging Face integration inside the ranks: accelerate's notebook_launcher and "
+           "print, Transformers' Trainer output (default {default})", _SUPERVISOR, metavar="on|off"),
+)
+
+OPTION: dict[str, Option] = {o.name: o for o in OPTIONS}
+
+
+def _default(name: str):  # noqa: ANN202 - each KernelConfig field has its own type
+    return OPTION[name].default_value()
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Validated settings for one distributed kernel."""
+    """Validated settings for one distributed kernel (defaults from :data:`OPTIONS`)."""
 
     world_size: int
     backend: str
     gpus: tuple[int, ...] = ()  # physical GPU ids; empty on CPU
-    timeout: float = DEFAULTS["timeout"]  # type: ignore[assignment]
-    startup_timeout: float = DEFAULTS["startup_timeout"]  # type: ignore[assignment]
-    merge_window: float = DEFAULTS["merge_window_ms"] / 1000  # type: ignore[operator]
-    fastai: bool = DEFAULTS["fastai"]  # type: ignore[assignment]
+    timeout: float = _default("timeout")
+    startup_timeout: float = _default("startup_timeout")
+    merge_window: float = _default("merge_window_ms")  # seconds
+    fastai: bool = _default("fastai")
     seed: int | None = None  # None: the parent draws one per start, shared by every rank
-    hang_grace: float = DEFAULTS["hang_grace"]  # type: ignore[assignment]
-    empty_cache: bool = DEFAULTS["empty_cache"]  # type: ignore[assignment]
-    rich_output: str = DEFAULTS["rich_output"]  # type: ignore[assignment]
-    launcher: str = DEFAULTS["launcher"]  # type: ignore[assignment]
-    nodes: int = DEFAULTS["nodes"]  # type: ignore[assignment]
+    hang_grace: float = _default("hang_grace")
+    empty_cache: bool = _default("empty_cache")
+    rich_output: str = _default("rich_output")
+    launcher: str = _default("launcher")
+    nodes: int = _default("nodes")
     #: ranks on each node; 0 when constructed means "all of them" (world_size, local)
     ranks_per_node: int = 0
     hosts: tuple[str, ...] = ()  # ssh: node i is hosts[i]
     slurm_args: tuple[str, ...] = ()  # extra srun/salloc arguments, already split
     listen: str | None = None  # the parent's address as the nodes see it; None: decided at start
     port_range: tuple[int, int] | None = None  # inclusive; None: random free ports
-    hf: bool = DEFAULTS["hf"]  # type: ignore[assignment]
+    oversubscribe: bool = _default("oversubscribe")
+    hf: bool = _default("hf")
+    #: shown once, in the first cell (ranks sharing GPUs over gloo, an option with no effect)
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -142,21 +258,33 @@ class KernelConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the kernel options to a parser (shared by `kernel`, `install` and `run`)."""
-    for name, text in OPTIONS.items():
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=text)
+    for o in OPTIONS:
+        parser.add_argument(o.flag, dest=o.name, default=None, metavar=o.metavar or None,
+                            help=f"{o.help_text} [{o.env}]")
 
 
 def option_argv(ns: argparse.Namespace) -> list[str]:
     """The flags of `ns` that were given, as argv (to write them into kernel.json)."""
     argv: list[str] = []
-    for name in OPTIONS:
-        value = getattr(ns, name, None)
+    for o in OPTIONS:
+        value = getattr(ns, o.name, None)
         if value is None:
             continue
-        flag, text = "--" + name.replace("_", "-"), str(value)
+        text = str(value)
         # a value that starts with "-" (--slurm-args "--exclusive") would be read as a flag
-        argv += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
+        argv += [f"{o.flag}={text}"] if text.startswith("-") else [o.flag, text]
     return argv
+
+
+def given(ns: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str | None]:
+    """Each option's text as given: the command line's, else its environment variable's
+    (traitlets' order: the command line beats the environment); None when neither gives it."""
+    out: dict[str, str | None] = {}
+    for o in OPTIONS:
+        flag = getattr(ns, o.name, None)
+        text = str(flag) if flag not in (None, "") else environ.get(o.env, "")
+        out[o.name] = text if text != "" else None
+    return out
 
 
 def visible_gpus(environ: dict[str, str] | None = None) -> list[int]:
@@ -181,56 +309,38 @@ def visible_gpus(environ: dict[str, str] | None = None) -> list[int]:
     return [i for i, line in enumerate(x for x in out.splitlines() if x.startswith("GPU "))]
 
 
-def _int(name: str, raw: str, minimum: int) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"--{name.replace('_', '-')} {raw!r} is not a whole number. {FIX_HINT}") from None
-    if value < minimum:
-        raise ConfigError(f"--{name.replace('_', '-')} {value} must be at least {minimum}. {FIX_HINT}")
-    return value
+def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
+            available_gpus: list[int] | None = None, machine: Machine | None = None) -> KernelConfig:
+    """Turn flags (and the environment, where a flag is not given) into a validated :class:`KernelConfig`.
 
-
-def _float(name: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"--{name.replace('_', '-')} {raw!r} is not a number. {FIX_HINT}") from None
-    if value <= 0:
-        raise ConfigError(f"--{name.replace('_', '-')} {value} must be positive. {FIX_HINT}")
-    return value
-
-
-def resolve(ns: argparse.Namespace, environ: dict[str, str] | None = None,
-            available_gpus: list[int] | None = None) -> KernelConfig:
-    """Turn flags (+ environment overrides) into a validated :class:`KernelConfig`.
-
-    Raises :class:`ConfigError` with a message naming the option and the fix.
+    ``available_gpus`` and ``machine`` default to this machine's. Raises :class:`ConfigError`
+    with a message naming the option and the fix.
     """
     env = os.environ if environ is None else environ
-    raw: dict[str, str | None] = {}
-    for name, var in ENV_OVERRIDES.items():
-        raw[name] = env.get(var) or getattr(ns, name, None)
+    raw = given(ns, env)
+    value = {o.name: None if raw[o.name] is None else _parse(o, raw[o.name], ns) for o in OPTIONS}
+
+    def get(name: str):  # noqa: ANN202 - the option's own type
+        return OPTION[name].default_value() if value[name] is None else value[name]
 
     warnings: list[str] = []
 
-    launcher = str(raw["launcher"] or KernelConfig.launcher).strip().lower()
-    if launcher not in LAUNCHERS:
-        raise ConfigError(f"--launcher {raw['launcher']!r} is unknown; use one of {', '.join(LAUNCHERS)}. {FIX_HINT}")
+    launcher = get("launcher")
     remote = launcher != "local"
     hosts = _hosts(raw["hosts"], launcher)
     slurm_args = _slurm_args(raw["slurm_args"], launcher)
     listen = _listen(raw["listen"], remote)
     port_range = _port_range(raw["port_range"], remote)
+    if not remote:
+        warnings += [f"{OPTION[name].flag} is for --launcher slurm or ssh; the local ranks talk over IPC "
+                     f"on this machine, so it has no effect." for name in ("listen", "port_range") if raw[name]]
 
     if remote:
         gpus = _remote_gpus(raw["gpus"])
     else:
-        gpus = _local_gpus(raw["gpus"], visible_gpus(env) if available_gpus is None else available_gpus)
+        gpus = _local_gpus(raw["gpus"], visible_gpus(dict(env)) if available_gpus is None else available_gpus)
 
-    backend = (raw["backend"] or ("nccl" if gpus else "gloo")).lower()
-    if backend not in BACKENDS:
-        raise ConfigError(f"--backend {raw['backend']!r} is unknown; use one of {', '.join(BACKENDS)}. {FIX_HINT}")
+    backend = value["backend"] or ("nccl" if gpus else "gloo")
     if backend == "nccl" and not gpus:
         if remote:
             raise ConfigError(
@@ -238,11 +348,7 @@ def resolve(ns: argparse.Namespace, environ: dict[str, str] | None = None,
                 f"with --gpus (e.g. --gpus 0,1,2,3), or use --backend gloo. {FIX_HINT}")
         raise ConfigError(f"--backend nccl needs GPUs, and none is visible; use --backend gloo. {FIX_HINT}")
 
-    given_ranks = _int("ranks", str(raw["ranks"]), 1) if raw["ranks"] is not None else None
-    given_per_node = (_int("ranks_per_node", str(raw["ranks_per_node"]), 1)
-                      if raw["ranks_per_node"] not in (None, "") else None)
-    given_nodes = _int("nodes", str(raw["nodes"]), 1) if raw["nodes"] not in (None, "") else None
-
+    given_ranks, given_per_node, given_nodes = value["ranks"], value["ranks_per_node"], value["nodes"]
     if not remote:
         if given_nodes is not None and given_nodes != 1:
             raise ConfigError(
@@ -268,7 +374,7 @@ def resolve(ns: argparse.Namespace, environ: dict[str, str] | None = None,
                     f"or list {given_nodes} hosts. {FIX_HINT}")
             nodes = len(hosts)
         else:
-            nodes = given_nodes if given_nodes is not None else KernelConfig.nodes
+            nodes = get("nodes")
         if given_per_node is not None:
             per_node = given_per_node
             if given_ranks is not None and given_ranks != nodes * per_node:
@@ -296,30 +402,25 @@ def resolve(ns: argparse.Namespace, environ: dict[str, str] | None = None,
         where = " on each node" if remote else ""
         warnings.append(f"{per_node} ranks share {len(gpus)} GPU(s){where} over gloo.")
 
-    timeout = _float("timeout", raw["timeout"]) if raw["timeout"] else KernelConfig.timeout
-    startup = _float("startup_timeout", raw["startup_timeout"]) if raw["startup_timeout"] else KernelConfig.startup_timeout
-    window = _float("merge_window_ms", raw["merge_window_ms"]) / 1000 if raw["merge_window_ms"] else KernelConfig.merge_window
-    seed = _int("seed", str(raw["seed"]), 0) if raw["seed"] not in (None, "") else None
-    grace = _float("hang_grace", raw["hang_grace"]) if raw["hang_grace"] else KernelConfig.hang_grace
-    output = str(raw["rich_output"] or KernelConfig.rich_output).lower()
-    if output not in OUTPUT_POLICIES:
-        raise ConfigError(f"--rich-output {raw['rich_output']!r} must be one of {', '.join(OUTPUT_POLICIES)}. {FIX_HINT}")
-    return KernelConfig(world_size=world, backend=backend, gpus=tuple(gpus), timeout=timeout,
-                        startup_timeout=startup, merge_window=window,
-                        fastai=_switch("fastai", raw["fastai"], KernelConfig.fastai), seed=seed, hang_grace=grace,
-                        empty_cache=_switch("empty_cache", raw["empty_cache"], KernelConfig.empty_cache),
-                        rich_output=output, launcher=launcher, nodes=nodes, ranks_per_node=per_node,
-                        hosts=hosts, slurm_args=slurm_args, listen=listen, port_range=port_range,
-                        hf=_switch("hf", raw["hf"], KernelConfig.hf), warnings=tuple(warnings))
+    config = KernelConfig(world_size=world, backend=backend, gpus=tuple(gpus), timeout=get("timeout"),
+                          startup_timeout=get("startup_timeout"), merge_window=get("merge_window_ms"),
+                          fastai=get("fastai"), seed=value["seed"], hang_grace=get("hang_grace"),
+                          empty_cache=get("empty_cache"), rich_output=get("rich_output"), launcher=launcher,
+                          nodes=nodes, ranks_per_node=per_node, hosts=hosts, slurm_args=slurm_args,
+                          listen=listen, port_range=port_range, oversubscribe=get("oversubscribe"),
+                          hf=get("hf"))
+    if not remote:  # the nodes' memory and cores cannot be seen from here
+        warnings += capacity.check(config, capacity.this_machine() if machine is None else machine)
+    return dataclasses.replace(config, warnings=tuple(warnings))
 
-
-def _switch(name: str, raw: str | None, default: bool) -> bool:
-    if raw in (None, ""):
-        return default
-    value = str(raw).lower()
-    if value not in ("on", "off", "true", "false", "1", "0"):
-        raise ConfigError(f"--{name.replace('_', '-')} {raw!r} must be on or off. {FIX_HINT}")
-    return value in ("on", "true", "1")
+def _parse(option: Option, text: str, ns: argparse.Namespace) -> object:
+    """An option's value; an error names the environment variable when the text came from there."""
+    try:
+        return option.parse(option.flag, text)
+    except ConfigError as e:
+        if getattr(ns, option.name, None) in (None, ""):
+            raise ConfigError(f"{option.env}={text!r} in the kernel's environment: {e}") from None
+        raise
 
 
 def _gpu_list(raw: str | None, where: str) -> list[int] | None:

@@ -48,7 +48,8 @@ class Request:
 class Join(Request):
     """Form (or re-form) the process group and define ``rank``, ``world_size``, ``local_rank``,
     ``device`` in the user's namespace. The first formation (``first``) also seeds every rank
-    alike and installs the fastai integration when ``fastai`` is on. Runs on the rank's main
+    alike, installs the fastai integration when ``fastai`` is on and sets cache freeing
+    (``empty_cache``; ``%dist_empty_cache`` switches it later). Runs on the rank's main
     thread (CUDA's current device is per thread); answered when the group has formed."""
 
     op: ClassVar[str] = "join"
@@ -64,6 +65,7 @@ class Join(Request):
     first: bool
     seed: int | None = None
     fastai: bool = False
+    empty_cache: bool = True
     hf: bool = False  # the Hugging Face integration (accelerate, Transformers)
 
 

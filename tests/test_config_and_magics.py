@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import re
+from pathlib import Path
 
 import pytest
 
+from dist_kernel import capacity
 from dist_kernel import options as config
 from dist_kernel.exceptions import ConfigError, RankSpecError
 from dist_kernel.parent.magics import format_ranks, parse_rank_spec, plan_cell
@@ -86,9 +91,20 @@ class TestConfig:
             config.resolve(ns(**kw), environ={}, available_gpus=[])
         assert "restart the kernel" in str(e.value)
 
-    def test_environment_overrides_flags(self):
+    def test_the_command_line_beats_the_environment(self):
+        # traitlets' order (issue 18): the kernelspec's flag wins over DIST_KERNEL_* ...
         c = config.resolve(ns(ranks=2), environ={"DIST_KERNEL_RANKS": "3"}, available_gpus=[])
-        assert c.world_size == 3
+        assert c.world_size == 2
+
+    def test_the_environment_fills_what_the_command_line_leaves_out(self):
+        c = config.resolve(ns(ranks=2), environ={"DIST_KERNEL_RANKS": "3", "DIST_KERNEL_SEED": "7",
+                                                 "DIST_KERNEL_EMPTY_CACHE": "off"}, available_gpus=[])
+        assert (c.world_size, c.seed, c.empty_cache) == (2, 7, False)
+        # ... an empty variable is no value, and a bad one is named like a bad flag
+        assert config.resolve(ns(), environ={"DIST_KERNEL_RANKS": ""}, available_gpus=[]).world_size == 2
+        with pytest.raises(ConfigError, match="DIST_KERNEL_TIMEOUT='soon' in the kernel's environment: "
+                                              "--timeout 'soon' is not a number"):
+            config.resolve(ns(), environ={"DIST_KERNEL_TIMEOUT": "soon"}, available_gpus=[])
 
     def test_cuda_visible_devices_limits_gpus_without_torch(self):
         assert config.visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5"}) == [0, 1]
@@ -271,6 +287,239 @@ def test_the_readme_configuration_table_lists_every_option():
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     section = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
-    table = "\n".join(line for line in section.splitlines() if line.startswith("| `--"))
-    for name, var in config.ENV_OVERRIDES.items():
-        assert f"`--{name.replace('_', '-')}" in table and f"`{var}`" in table, name
+    rows = [line for line in section.splitlines() if line.startswith("| `--")]
+    for o in config.OPTIONS:
+        (row,) = [r for r in rows if r.startswith((f"| `{o.flag} ", f"| `{o.flag}=", f"| `{o.flag}`"))]
+        assert f"`{o.env}`" in row, o.name
+        meaning = re.split(r"(?<!\\)\|", row)[3]  # cells split at unescaped pipes (`on\|off`)
+        if o.default is not None:
+            assert re.search(rf"(\(|default ){re.escape(o.default)}\b", meaning), f"{o.name}: no default {o.default}"
+    # and the table names no option that is not declared
+    assert len(rows) == len(config.OPTIONS)
+
+
+# ------------------------------------------------------------------ one declaration per option
+class TestDeclaration:
+    def test_each_option_is_a_kernel_config_field_with_the_declared_default(self):
+        fields = {f.name: f for f in dataclasses.fields(config.KernelConfig)}
+        assert {o.attribute for o in config.OPTIONS} == set(fields) - {"warnings"}
+        for o in config.OPTIONS:
+            if o.default is not None:
+                assert fields[o.attribute].default == o.default_value(), o.name
+
+    def test_flags_help_and_environment_come_from_the_declaration(self):
+        from dist_kernel.cli import _parser
+
+        text = _parser().parse_args(["kernel", "-f", "x.json"])  # every option exists, unset
+        assert all(getattr(text, o.name) is None for o in config.OPTIONS)
+        kernel_help = next(a for a in _parser()._subparsers._group_actions[0].choices.items()
+                           if a[0] == "kernel")[1].format_help()
+        for o in config.OPTIONS:
+            assert o.flag in kernel_help and o.env in kernel_help, o.name
+        assert "(default 1800)" in kernel_help and "DIST_KERNEL_OVERSUBSCRIBE" in kernel_help
+
+    def test_every_default_parses(self):
+        assert config.OPTION["merge_window_ms"].default_value() == 0.1  # declared in ms, kept in seconds
+        assert config.OPTION["empty_cache"].default_value() is True
+        assert config.OPTION["oversubscribe"].default_value() is False
+
+    @pytest.mark.parametrize("option", config.OPTIONS, ids=lambda o: o.name)
+    def test_every_option_reaches_its_consumer(self, option):
+        """The module the declaration names really reads the option's KernelConfig attribute."""
+        import ast
+        import importlib
+
+        module = importlib.import_module(option.consumer)
+        tree = ast.parse(Path(module.__file__).read_text())
+        reads = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)}
+        reads |= {n.args[1].value for n in ast.walk(tree)  # getattr(config, "hosts", ())
+                  if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "getattr" and len(n.args) > 1
+                  and isinstance(n.args[1], ast.Constant)}
+        assert option.attribute in reads, f"{option.consumer} never reads .{option.attribute} ({option.flag})"
+
+
+# ------------------------------------------------------------------ what this machine can hold
+LAPTOP = capacity.Machine(cores=2, available_mb=32 * 1024)
+
+
+class TestCapacity:
+    def test_ranks_that_fit_start_without_a_word(self):
+        c = config.resolve(ns(ranks=8), environ={}, available_gpus=[], machine=LAPTOP)
+        assert c.world_size == 8 and not c.warnings
+        assert capacity.most_ranks(LAPTOP) == 8
+
+    def test_far_more_ranks_than_cores_is_refused_naming_the_numbers_and_the_fix(self):
+        with pytest.raises(ConfigError) as e:
+            config.resolve(ns(ranks=64), environ={}, available_gpus=[], machine=LAPTOP)
+        text = str(e.value)
+        assert "--ranks 64 is more than this machine can hold" in text
+        assert "64 ranks on 2 CPU cores is more than 4 per core (at most 8)" in text
+        assert "memory" not in text.split("Fix")[0]  # 64 x 300 MB fit in 32 GB: only the cores are named
+        assert "use --ranks 8 or fewer, or add --oversubscribe on" in text and "restart the kernel" in text
+        assert "No rank was started" in text
+
+    def test_more_ranks_than_memory_is_refused_with_the_memory_figures(self):
+        small = capacity.Machine(cores=64, available_mb=4 * 1024)
+        with pytest.raises(ConfigError, match=r"20 ranks need about 6\.3 GB of memory \(300 MB each.*but 4\.0 GB is "
+                                              r"available\. No rank was started\. Fix: use --ranks 12 or fewer"):
+            config.resolve(ns(ranks=20), environ={}, available_gpus=[], machine=small)
+
+    def test_a_thousand_ranks_names_both_limits(self):
+        with pytest.raises(ConfigError, match="GB of memory .* and 1000 ranks on 2 CPU cores"):
+            config.resolve(ns(ranks=1000), environ={}, available_gpus=[], machine=LAPTOP)
+
+    def test_oversubscribe_on_starts_them_anyway_with_a_warning(self):
+        c = config.resolve(ns(ranks=64, oversubscribe="on"), environ={}, available_gpus=[], machine=LAPTOP)
+        assert c.world_size == 64
+        assert c.warnings == ("--oversubscribe on: 64 ranks on 2 CPU cores is more than 4 per core (at most 8); "
+                              "the ranks may be slow, or end in the out-of-memory killer.",)
+        c = config.resolve(ns(ranks=64), environ={"DIST_KERNEL_OVERSUBSCRIBE": "on"}, available_gpus=[], machine=LAPTOP)
+        assert c.world_size == 64
+
+    def test_ranks_on_other_machines_are_not_measured_here(self):
+        c = config.resolve(ns(launcher="slurm", nodes=16, ranks_per_node=8), environ={}, available_gpus=[],
+                           machine=LAPTOP)
+        assert c.world_size == 128 and not c.warnings
+
+    def test_this_machine_is_measured_within_its_limits(self):
+        m = capacity.this_machine()
+        assert 1 <= m.cores <= (os.cpu_count() or 1) and 0 < m.available_mb
+
+
+# ------------------------------------------------------------------ configuration warnings
+def test_options_with_no_effect_on_local_ranks_are_a_warning():
+    c = config.resolve(ns(listen="10.0.0.5", port_range="29500-29509"), environ={}, available_gpus=[])
+    assert c.warnings == (
+        "--listen is for --launcher slurm or ssh; the local ranks talk over IPC on this machine, so it has no effect.",
+        "--port-range is for --launcher slurm or ssh; the local ranks talk over IPC on this machine, so it has no "
+        "effect.")
+    assert not remote(launcher="slurm", listen="10.0.0.5", port_range="29500-29509").warnings
+
+
+# ------------------------------------------------------------------ options at work in a real kernel
+def status_rows(res) -> list[str]:
+    (table,) = res.of_type("display_data")
+    return table.text.splitlines()[2:]
+
+
+def error_of(res) -> dict:
+    (err,) = res.of_type("error")
+    return err.content
+
+
+@pytest.fixture(scope="module")
+def configured():
+    """A kernel whose command line and environment disagree; and what its first cell showed."""
+    from harness import DistKernel
+
+    k = DistKernel("--ranks", "2", "--empty-cache", "off", "--timeout", "3", "--hang-grace", "60",
+                   "--merge-window-ms", "5000", "--port-range", "29500-29509",
+                   env={"DIST_KERNEL_RANKS": "3", "DIST_KERNEL_EMPTY_CACHE": "on", "DIST_KERNEL_SEED": "1234"})
+    try:
+        first = k.execute("x = 1")
+        yield k, first
+    finally:
+        k.shutdown()
+
+
+@pytest.mark.slow
+def test_a_configuration_warning_is_shown_once_in_the_first_cell(configured):
+    k, first = configured
+    assert first.status == "ok"
+    assert first.stream("stderr") == ("[dist_kernel] warning: --port-range is for --launcher slurm or ssh; the local "
+                                      "ranks talk over IPC on this machine, so it has no effect.\n")
+    assert k.execute("y = 2").stream("stderr") == ""
+
+
+@pytest.mark.slow
+def test_empty_cache_off_reaches_the_ranks_and_the_command_line_beats_the_environment(configured):
+    k, _ = configured
+    rows = status_rows(k.execute("%dist_status"))
+    assert len(rows) == 2  # --ranks 2, not DIST_KERNEL_RANKS=3
+    assert all(row.rstrip().endswith("False") for row in rows), rows  # --empty-cache off, not the variable's on
+    assert k.execute("%dist_empty_cache on").status == "ok"
+    assert all(row.rstrip().endswith("True") for row in status_rows(k.execute("%dist_status")))
+    assert k.execute("%dist_empty_cache off").status == "ok"
+
+
+@pytest.mark.slow
+def test_the_environment_fills_an_option_the_command_line_leaves_out(configured):
+    k, _ = configured
+    assert k.execute("import torch\nprint(torch.initial_seed())").stream() == "1234\n"  # DIST_KERNEL_SEED, on every rank
+
+
+@pytest.mark.slow
+def test_merge_window_ms_is_how_long_a_line_waits_for_the_same_line_of_the_other_ranks(configured):
+    # rank 1 prints half a second after rank 0: within 5 s the lines merge (with the default
+    # 100 ms they are shown labelled, "[rank 0] same line" and "[rank 1] same line")
+    k, _ = configured
+    assert k.execute("import time\ntime.sleep(0.5 * rank)\nprint('same line')").stream() == "same line\n"
+
+
+@pytest.mark.slow
+def test_timeout_is_the_collective_timeout(configured):
+    # rank 0 alone in a barrier: with --timeout 3 gloo gives up after 3 s (--hang-grace 60 keeps
+    # the kernel's own hang report out of the way); with the default it would wait 30 minutes
+    k, _ = configured
+    res = k.execute("%%rank 0\nimport torch.distributed as dist\ndist.barrier()", timeout=60)
+    assert res.status == "error"
+    assert "Timed out waiting 3000ms" in error_of(res)["evalue"]
+
+
+@pytest.mark.slow
+def test_startup_timeout_bounds_the_start_of_the_ranks():
+    from harness import DistKernel
+
+    k = DistKernel("--ranks", "2", "--startup-timeout", "0.2")
+    try:
+        err = error_of(k.execute("x = 1", timeout=60))
+        assert err["ename"] == "RankStartError"
+        assert "did not start and form the process group within 0s" in err["evalue"]
+        assert "raise --startup-timeout" in err["evalue"]
+        assert k.rank_pids() == []  # the ranks that had started were ended
+    finally:
+        k.shutdown()
+
+
+@pytest.mark.slow
+def test_more_ranks_than_this_machine_holds_start_nothing_and_the_kernel_answers():
+    from harness import DistKernel
+
+    n = max(64, capacity.most_ranks(capacity.this_machine()) + 1)
+    k = DistKernel("--ranks", str(n))
+    try:
+        assert k.rank_pids() == []
+        err = error_of(k.execute("x = 1", timeout=30))
+        assert err["ename"] == "ConfigError"
+        assert f"--ranks {n} is more than this machine can hold" in err["evalue"]
+        assert "--oversubscribe on" in err["evalue"] and "No rank was started" in err["evalue"]
+        assert k.execute("x = 1", timeout=30).status == "error"  # it keeps answering, and says it again
+        k.kc.kernel_info()
+        assert k.kc.get_shell_msg(timeout=30)["msg_type"] == "kernel_info_reply"
+        assert k.rank_pids() == []
+    finally:
+        k.shutdown()
+
+
+@pytest.mark.slow
+def test_port_range_holds_the_parents_listener_and_rank_0s_rendezvous():
+    """Across machines (the two-node lab of tests/cluster/lab.sh), through ssh."""
+    import psutil
+    from cluster_lab import lab_env
+    from harness import DistKernel
+    from test_cluster import HEAD, SSH_OPTS, kernel_env
+
+    lab = lab_env()
+    lo, hi = 29650, 29659
+    k = DistKernel(*SSH_OPTS, "--port-range", f"{lo}-{hi}", env=kernel_env(lab))
+    try:
+        res = k.execute("import os\nprint(os.environ['MASTER_PORT'])", timeout=240)
+        assert res.status == "ok", res.outputs
+        # the same on every rank (shown once, or labelled when a loaded machine kept the ranks apart)
+        (master_port,) = {line.split()[-1] for line in res.stream().splitlines()}
+        assert lo <= int(master_port) <= hi
+        listening = {c.laddr.port for c in psutil.Process(k.pid).net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.ip == HEAD}
+        assert listening and all(lo <= p <= hi for p in listening), listening
+    finally:
+        k.shutdown()

@@ -76,6 +76,7 @@ class DistributedKernel(Kernel):
         self._start_interrupted = asyncio.Event()  # the stop button while the ranks start
         self._waiting: dict | None = None  # the request of a cell waiting for the ranks to start
         self._start_notes: list[str] = []  # what the launcher said while the ranks start (the Slurm queue)
+        self._warnings: list[str] = []  # the configuration's warnings, shown once, in the first cell
         self._left_running: set[int] = set()  # ranks whose cell was given up on (abandoned)
         self._exiting = False
         self._reform_pending = False  # a re-formation waits for a rank that was left running
@@ -108,6 +109,7 @@ class DistributedKernel(Kernel):
         cfg = self.dist_config
         if isinstance(cfg, KernelConfig):
             self.output_policy = cfg.rich_output
+            self._warnings = list(cfg.warnings)
             self.supervisor = RankSupervisor(cfg, self._on_unrouted, self._on_rank_death, log=self.log,
                                              on_stdin=self._on_rank_stdin, on_stopped=self._on_rank_stopped,
                                              extra_argv=self.extra_argv, on_note=self._on_start_note)
@@ -189,6 +191,10 @@ class DistributedKernel(Kernel):
                          user_expressions: dict | None = None, allow_stdin: bool = False,
                          *, cell_meta: dict | None = None, cell_id: str | None = None) -> dict:
         parent = self.get_parent("shell")
+        if self._warnings and not silent:
+            for text in self._warnings:
+                self._publish(parent, "stream", {"name": "stderr", "text": f"[dist_kernel] warning: {text}\n"})
+            self._warnings = []
         if self.supervisor is None or not self.supervisor.ready.is_set():
             self._release_held()  # the cell waits for the ranks: it is busy meanwhile
         err = await self._ready_error()

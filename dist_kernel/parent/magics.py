@@ -7,8 +7,9 @@ optionally in brackets (``[0,1]``).
 Line magics the parent answers itself, on a cell's leading lines:
 
 - ``%dist_status``: per rank its pid, host, device, busy/idle and memory;
-- ``%dist_output all|rank0``: rich output from every rank (merged) or from rank 0 only;
-- ``%dist_empty_cache on|off``: free the CUDA cache after each cell.
+- ``%dist_output all|rank0``: rich output from every rank (merged) or from rank 0 only
+  (starts as the kernel's ``--rich-output``);
+- ``%dist_empty_cache on|off``: free the CUDA cache after each cell (starts as ``--empty-cache``).
 """
 
 from __future__ import annotations

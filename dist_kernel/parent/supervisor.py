@@ -201,6 +201,7 @@ class RankSupervisor:
                             backend=cfg.backend, store=self._store(),
                             timeout=cfg.timeout, use_cuda=cfg.uses_cuda, first=first,
                             seed=self.seed if first else None, fastai=cfg.fastai,
+                            empty_cache=cfg.empty_cache,
                             hf=cfg.hf)
         try:
             reply = await r.channel.request(req, timeout=cfg.startup_timeout)

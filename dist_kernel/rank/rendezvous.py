@@ -49,6 +49,8 @@ def join(req: Join) -> str:
                             world_size=world_size, timeout=timedelta(seconds=req.timeout), **kwargs)
     _define_names(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
     agent.set_device(str(device))
+    if req.first:  # later formations keep what %dist_empty_cache chose
+        agent.set_empty_cache(req.empty_cache)
     if req.first and req.seed is not None:
         seed_everything(req.seed)
     if req.first and req.fastai:
