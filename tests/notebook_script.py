@@ -41,5 +41,15 @@ def torchrun(notebook: Path, nproc: int, workdir: Path, env: dict[str, str] | No
 
 
 def results(text: str) -> list[dict]:
-    """Every ``RESULT {json}`` line in ``text`` (one per process under torchrun, once in the kernel)."""
-    return [json.loads(line.split("RESULT ", 1)[1]) for line in text.splitlines() if "RESULT {" in line]
+    """Every ``RESULT {json}`` in ``text`` (one per process under torchrun, once in the kernel).
+
+    Under torchrun the processes share one stdout pipe: ``print`` writes the text and its newline
+    separately, so two processes' results can share a line. Each write is whole (a pipe keeps
+    writes below 4 KiB together), so each ``RESULT {...}`` is read where it starts."""
+    decoder = json.JSONDecoder()
+    found, start = [], text.find("RESULT {")
+    while start != -1:
+        value, end = decoder.raw_decode(text, start + len("RESULT "))
+        found.append(value)
+        start = text.find("RESULT {", end)
+    return found
