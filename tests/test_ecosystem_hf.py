@@ -21,9 +21,7 @@ from notebook_script import results, torchrun
 
 from dist_kernel.runner import kernel_manager
 
-pytest.importorskip("accelerate")
-pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # accelerate and Transformers come with the hf extra, which CI installs
 
 ROOT = Path(__file__).parent.parent
 ACCELERATE = ROOT / "examples" / "accelerate_regression.ipynb"
