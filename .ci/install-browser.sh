@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What tests/test_jupyterlab.py needs on a fresh Debian machine (run as root, from anywhere):
+# What tests/kernel/test_jupyterlab.py needs on a fresh Debian machine (run as root, from anywhere):
 # Debian's chromium, and playwright + jupyterlab in the project's .venv. Idempotent and quiet.
 # Playwright drives /usr/bin/chromium; `playwright install` (a browser download) is never needed.
 set -euo pipefail

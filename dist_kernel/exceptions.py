@@ -1,6 +1,9 @@
-"""The few exceptions dist_kernel raises, each carrying a message a user can act on."""
+"""Every error name a user sees, each carrying a message a user can act on, and the
+``error`` output content the kernel builds from one (:func:`error_content`)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 
 class DistKernelError(Exception):
@@ -25,3 +28,30 @@ class RankDiedError(DistKernelError):
 
 class RankRequestError(DistKernelError):
     """A rank answered a typed request of the parent with an error."""
+
+
+# Errors the kernel reports in a cell (as an ``error`` output; never raised in the parent)
+class RankStoppedError(DistKernelError):
+    """The stop button ended a cell without a rank that is stopped (SIGSTOP, a debugger)."""
+
+
+class CollectiveHangError(DistKernelError):
+    """A rank was blocked in a collective that could not complete: the group was torn down."""
+
+
+class DistributedError(DistKernelError):
+    """Ranks failed a cell with different errors: each one is named with its traceback."""
+
+
+class UsageError(DistKernelError):
+    """A parent magic (``%dist_output``, ``%dist_empty_cache``) was given a bad argument."""
+
+
+#: an error's name as users see it: the exception class, or a name a rank reported
+ErrorName = type[BaseException] | str
+
+
+def error_content(ename: ErrorName, evalue: str, lines: Sequence[str] = ()) -> dict:
+    """The content of an ``error`` output the kernel makes itself (no Python traceback)."""
+    name = ename if isinstance(ename, str) else ename.__name__
+    return {"ename": name, "evalue": evalue, "traceback": [f"\x1b[1;31m{name}\x1b[0m: {evalue}", *lines]}

@@ -17,6 +17,9 @@ Both sides validate on receipt (:func:`parse_request`, :func:`parse_reply`): an 
 a missing or extra field, or a field of the wrong type is a :class:`ProtocolError`; the rank
 answers it with an error reply and keeps working. Nothing here is code: no field is ever
 executed or unpickled. This module imports nothing heavy; both sides import it.
+
+Plain Jupyter messages carry a little of dist_kernel in their metadata, always under one key
+(``metadata["dist_kernel"]``, :data:`META`), with the fields declared below (``META_*``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,33 @@ from typing import Any, ClassVar, Union
 VERSION = 1
 REQUEST = "dist_request"
 REPLY = "dist_reply"
+
+
+# --------------------------------------------------------------------- metadata
+#: dist_kernel's part of a Jupyter message's metadata: ``metadata[META] = {META_...: value}``
+META = "dist_kernel"
+#: execute_request, parent -> rank: the ranks that run the cell (a list of int)
+META_RANKS = "ranks"
+#: execute_reply, rank -> parent: how many IOPub messages the cell published before its reply
+META_IOPUB = "iopub"
+#: execute_reply, rank -> parent: the cell's error broke the process group (true)
+META_GROUP_BROKEN = "group_broken"
+#: display_data, rank -> parent: this rank's output alone, shown once and unlabelled (true)
+META_SOLO = "solo"
+#: merged output, parent -> frontend: the ranks it stands for are :data:`META_RANKS`; a merged
+#: display also lists its rank groups here (a list of lists of int)
+META_GROUPS = "groups"
+
+
+def meta_of(metadata: dict | None) -> dict:
+    """dist_kernel's part of a message's metadata ({} when absent or not a dict)."""
+    part = (metadata or {}).get(META)
+    return part if isinstance(part, dict) else {}
+
+
+def with_meta(metadata: dict | None, part: dict) -> dict:
+    """``metadata`` with dist_kernel's part set to ``part``."""
+    return {**(metadata or {}), META: part}
 
 
 class ProtocolError(ValueError):

@@ -129,6 +129,14 @@ class DistKernel:
             self.km.shutdown_kernel(now=False)
 
 
+def shell_reply(k: DistKernel, msg_id: str, timeout: float = 10) -> dict:
+    """The content of the shell reply to request ``msg_id`` (other replies are skipped)."""
+    while True:
+        reply = k.kc.get_shell_msg(timeout=timeout)
+        if reply["parent_header"]["msg_id"] == msg_id:
+            return reply["content"]
+
+
 def kernel_for_module(*options: str) -> Iterator[DistKernel]:
     """Body of a module-scoped fixture: one kernel with ``options``, shut down at the end."""
     k = DistKernel(*options)

@@ -1,4 +1,11 @@
-"""One cell's run across its ranks: forward, relay outputs live, decide when it is over.
+"""One cell's run across its ranks, end to end: send, relay outputs live, look at the ranks
+that do not finish, judge and act (the fault policy), decide when the cell is over, and re-form
+the group it broke.
+
+The run is given everything it acts through: a publish function for the cell's request, the
+ranks' seam (:class:`~dist_kernel.parent.ranks.CellRanks`), a function that relays comm
+messages, and the group's state between cells (:class:`GroupState`). It never calls the
+kernel.
 
 A rank is finished with a cell when its ``execute_reply`` (shell) has arrived and all of its
 output has: the reply can overtake the last outputs, and frontends stop reading a cell at the
@@ -12,22 +19,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from dist_kernel import protocol
+from dist_kernel.exceptions import ErrorName, RankDiedError, RankStoppedError, error_content
 from dist_kernel.parent import fault_policy
-from dist_kernel.parent.merge import CellMerger, DisplayRegistry, error_content, merge_errors
+from dist_kernel.parent.comms import COMM_TYPES, OUTPUT_TYPES
+from dist_kernel.parent.magics import format_ranks
+from dist_kernel.parent.merge import CellMerger, DisplayRegistry, merge_errors
 from dist_kernel.parent.throttle import OutputBudget, StreamThrottle
 
-#: IOPub message types that are cell outputs and go through the merger
-OUTPUT_TYPES = {"stream", "display_data", "execute_result", "update_display_data", "clear_output", "error"}
+if TYPE_CHECKING:
+    from dist_kernel.parent.ranks import CellRanks
+    from dist_kernel.protocol import Place
+
 #: how often held output is looked at while a cell runs
 TICK = 0.05
 #: ready output is published at once, but at most once per MIN_FLUSH (keeps the message rate low)
 MIN_FLUSH = 0.01
 
-#: comm messages (widgets) from the ranks go straight to the frontend, in order with outputs
-COMM_TYPES = {"comm_open", "comm_msg", "comm_close"}
 #: the merger's name for a comm message it keeps in order with the outputs
 IN_ORDER = "dist_kernel.in_order"
 #: a rank whose reply came but whose ``idle`` did not, and that sent nothing for this long,
@@ -35,22 +49,49 @@ IN_ORDER = "dist_kernel.in_order"
 IDLE_LOST_AFTER = 3.0
 
 Publish = Callable[[str, dict], None]
-#: asks the fault policy about the busy ranks (the kernel does the I/O: where, teardown, ...)
-OnLook = Callable[["CellRun"], Awaitable[None]]
+#: a comm message of a rank, to the frontend (``CommRouter.relay`` bound to the cell's request)
+RelayComm = Callable[[int, dict], None]
+
+REFORMED = ("\x1b[1;33mdist_kernel:\x1b[0m the process group was re-formed; every rank's variables "
+            "survived. Objects bound to the old group (DistributedDataParallel wrappers, new_group() "
+            "handles) must be created again.")
+RESTART_FOR_FRESH = "Restart the kernel to start fresh ranks; the group cannot continue without it."
+
+log = logging.getLogger("dist_kernel")
+
+
+@dataclass
+class GroupState:
+    """What the process group carries from one cell to the next."""
+
+    left_running: set[int] = field(default_factory=set)  # ranks whose cell was given up on (abandoned)
+    reform_pending: bool = False  # a re-formation waits for a rank that was left running
+
+    async def reform_if_due(self, ranks: CellRanks, timeout: float) -> None:
+        """Before a cell: re-form the group an earlier cell broke, once its ranks are back."""
+        if self.reform_pending and not self.left_running:
+            self.reform_pending = False
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ranks.form_group(), timeout)
 
 
 class CellRun:
-    """Relays and merges the outputs of one request on ``ranks``; see :meth:`wait`."""
-
-    parent: dict = {}  # the frontend request, for messages published outside the merger
+    """One request on ``ranks``: :meth:`start` sends it, :meth:`finish` relays and merges the
+    outputs, acts on faults, and returns the cell's error (None when it succeeded)."""
 
     def __init__(self, ranks: Sequence[int], publish: Publish, execution_count: int,
                  window: float, world: Sequence[int] | None = None, clock: Callable[[], float] = time.monotonic,
-                 on_look: OnLook | None = None, hang_grace: float = 10.0,
-                 rich_from: int | None = None, on_comm: Callable[[int, dict], None] | None = None,
-                 dead: Callable[[], Sequence[int]] = tuple, budget: OutputBudget | None = None,
-                 displays: DisplayRegistry | None = None) -> None:
+                 via: CellRanks | None = None, hang_grace: float = 10.0,
+                 rich_from: int | None = None, relay_comm: RelayComm | None = None,
+                 budget: OutputBudget | None = None, displays: DisplayRegistry | None = None,
+                 group: GroupState | None = None, parent: dict | None = None,
+                 reform_timeout: float = 120.0) -> None:
         self.ranks = tuple(ranks)
+        self.via = via  # the ranks' seam; None: relay and merge only (no sending, no looking)
+        self.parent = parent or {}  # the frontend request
+        self.group = group if group is not None else GroupState()
+        self.reform_timeout = reform_timeout
+        self._raw_publish = publish  # kernel notices bypass the output budget
         # budget and displays: the kernel's, so the output cap and display ids span its lifetime
         self.throttle = StreamThrottle(publish, budget=budget)
         self.publish = self.throttle.publish
@@ -60,9 +101,7 @@ class CellRun:
         self.clock = clock
         self.merger = CellMerger(self.ranks, window=window, rich_from=rich_from,
                                  displays=displays if displays is not None else DisplayRegistry())
-        self.on_look = on_look
-        self.on_comm = on_comm
-        self.dead = dead
+        self.relay_comm = relay_comm
         self.hang_grace = hang_grace
         self.judge = fault_policy.Judge()
         self.finished_at: dict[int, float] = {}
@@ -70,7 +109,6 @@ class CellRun:
         self.signalled: dict[int, float] = {}  # rank -> when it was last sent SIGINT
         self.group_broken = False  # the process group was torn down during this cell
         self.notes: list[str] = []  # lines appended to the cell's error, if any
-        self.child_ids: dict[int, str] = {}  # rank -> the msg_id of the request it runs
         self.reply_metadata: dict[int, dict] = {}  # rank -> its execute_reply's metadata
         self.noticed: set[tuple] = set()  # kernel notices already shown in this cell
         self._last_look: float | None = None
@@ -87,7 +125,40 @@ class CellRun:
         self._done: asyncio.Future | None = None  # resolved when every rank is finished
         self._all_finished = False
 
-    # ------------------------------------------------ called by the kernel
+    # --------------------------------------------------------------- send
+    def start(self, content: dict, metadata: dict) -> list[str]:
+        """Send the execute request to every rank of the cell; the msg_ids sent."""
+        assert self.via is not None
+        sent = []
+        for rank in self.ranks:
+            try:
+                msg_id, fut = self.via.send(rank, "execute_request", content, metadata=metadata)
+            except RankDiedError as e:
+                self.on_rank_lost(rank, RankDiedError, str(e))
+                continue
+            sent.append(msg_id)
+            self.via.listen(rank, msg_id, lambda msg, rank=rank: self.on_iopub(rank, msg))
+            assert fut is not None
+            fut.add_done_callback(lambda f, rank=rank: self._replied(rank, f))
+            if self.via.stopped(rank):
+                self.notice_stopped(rank)
+        return sent
+
+    def _replied(self, rank: int, fut: asyncio.Future) -> None:
+        """A rank's execute_reply message arrived (or its channel failed: it died)."""
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self.on_rank_lost(rank, RankDiedError, str(exc),
+                              "Restart the kernel to start fresh ranks (the group cannot continue without it).")
+            return
+        msg = fut.result()
+        self.reply_metadata[rank] = msg.get("metadata") or {}
+        self.on_reply(rank, msg["content"], self.reply_metadata[rank])
+        self.group.left_running.discard(rank)
+
+    # ------------------------------------------------------------ receive
     def on_iopub(self, rank: int, msg: dict) -> None:
         self._heard[rank] = self.clock()
         self._got[rank] = self._got.get(rank, 0) + 1
@@ -103,8 +174,8 @@ class CellRun:
                 # an Output widget starts or stops capturing: what the rank printed before
                 # must reach the frontend before the widget's state changes
                 self.merger.add_in_order(rank, IN_ORDER, {"rank": rank, "msg": msg}, self.clock())
-            elif self.on_comm is not None:
-                self.on_comm(rank, msg)
+            elif self.relay_comm is not None:
+                self.relay_comm(rank, msg)
             return
         if msg_type == "status":
             if content.get("execution_state") == "idle":
@@ -124,7 +195,7 @@ class CellRun:
                 self.flush()  # publish at once, but not more often than MIN_FLUSH
 
     def on_reply(self, rank: int, content: dict, metadata: dict | None = None) -> None:
-        published = ((metadata or {}).get("dist_kernel") or {}).get("iopub")
+        published = protocol.meta_of(metadata).get(protocol.META_IOPUB)
         if isinstance(published, int) and not isinstance(published, bool):
             self._expected[rank] = published
         self.replies[rank] = content
@@ -132,7 +203,7 @@ class CellRun:
         self.merger.rank_replied(rank, content, self.clock())
         self._check(rank)
 
-    def on_rank_lost(self, rank: int, ename: str, evalue: str, hint: str = "") -> None:
+    def on_rank_lost(self, rank: int, ename: ErrorName, evalue: str, hint: str = "") -> None:
         """A rank will never answer (it died): end its part of the cell with an error."""
         if rank in self.finished or rank not in self.ranks:
             return
@@ -164,8 +235,8 @@ class CellRun:
     def _publish_merged(self) -> None:
         for msg_type, content in self.merger.take():
             if msg_type == IN_ORDER:
-                if self.on_comm is not None:
-                    self.on_comm(content["rank"], content["msg"])
+                if self.relay_comm is not None:
+                    self.relay_comm(content["rank"], content["msg"])
             else:
                 self.publish(msg_type, content)
 
@@ -218,7 +289,7 @@ class CellRun:
         if not done.done():
             self._timer = loop.call_later(TICK, self._tick, loop)
 
-    def mark_stuck(self, rank: int, ename: str, evalue: str, lines: list[str]) -> None:
+    def mark_stuck(self, rank: int, ename: ErrorName, evalue: str, lines: list[str]) -> None:
         """Record why a rank is being unblocked; this becomes its error for the cell."""
         self.merger.errors[rank] = error_content(ename, evalue, lines)
 
@@ -241,14 +312,149 @@ class CellRun:
             errored=errored, interrupted_at=self.interrupted_at, hang_grace=self.hang_grace,
             torn_down=self.group_broken)
 
+    def dead(self) -> list[int]:
+        """The ranks of the group whose process is gone."""
+        return [] if self.via is None else [r for r in self.world if not self.via.alive(r)]
+
     def _maybe_look(self) -> None:
-        """Ask ``on_look`` to look at the busy ranks when the fault policy says it is time."""
-        if self.on_look is None or (self._looking is not None and not self._looking.done()):
+        """Look at the busy ranks when the fault policy says it is time."""
+        if self.via is None or (self._looking is not None and not self._looking.done()):
             return
         now = self.clock()
         if fault_policy.look_due(self.state(), now, self._last_look):
             self._last_look = now
-            self._looking = asyncio.ensure_future(self.on_look(self))
+            self._looking = asyncio.ensure_future(self._look())
+
+    # -------------------------------------------------- look, judge, act
+    async def _look(self) -> None:
+        """Ask the busy ranks where they are, let the fault policy judge, and act on it."""
+        via = self.via
+        assert via is not None
+        busy = [r for r in self.busy_ranks if via.alive(r)]
+        places = dict(zip(busy, await asyncio.gather(*(via.where(r) for r in busy)), strict=True))
+        seen = {r: _seen(p) for r, p in places.items()}
+        for r, s in seen.items():
+            if not s.answered and not via.stopped(r):
+                self.notice(f"rank {r} ({via.describe(r)}) does not answer ({via.os_state(r)}): it may be stuck "
+                            "in C code that holds the GIL. Press stop to end the cell, or restart the kernel.",
+                            key=("silent", r))
+        verdict = self.judge.judge(self.state(), seen, self.clock())
+        if verdict.action == "wait":
+            return
+        await self._act(verdict, places)
+
+    async def _act(self, verdict: fault_policy.Verdict, places: dict[int, Place | None]) -> None:
+        via = self.via
+        assert via is not None
+        for r, reason in verdict.stuck.items():
+            place = places.get(r)
+            lines = ["Where it was waiting:", *place.stack] if place is not None and place.stack else []
+            if verdict.action == "abandon":
+                self.on_rank_lost(r, verdict.ename, reason)
+                self.group.left_running.add(r)
+            else:
+                self.mark_stuck(r, verdict.ename, reason, lines)
+        if verdict.action == "stop":
+            await via.interrupt(list(verdict.stuck))
+            await asyncio.sleep(fault_policy.STOP_TIMEOUT)
+            for r in self.busy_ranks:
+                self.on_rank_lost(r, RankDiedError, verdict.stuck.get(r, f"rank {r} did not stop"))
+        elif verdict.action == "teardown":
+            log.warning("ranks %s stuck in collectives; tearing down the group", list(verdict.stuck))
+            self.group_broken = True
+            failed = await via.teardown(verdict.teardown_on)
+            if failed:
+                self.notice(f"rank {format_ranks(failed)} did not confirm tearing the process group down; "
+                            "ranks blocked with it may stay blocked: press stop, or restart the kernel.",
+                            key=("teardown",))
+
+    async def stop(self) -> None:
+        """The stop button during this cell: signal the busy ranks (the fault policy tears the
+        group down for those a collective keeps from reacting). A stopped rank cannot react:
+        the cell ends without it, and it is signalled all the same (the signal waits, and ends
+        its cell once it is resumed)."""
+        via = self.via
+        assert via is not None
+        stopped = [r for r in self.busy_ranks if via.stopped(r)]
+        for r in stopped:
+            pid = via.pid(r)
+            self.on_rank_lost(r, RankStoppedError,
+                              f"rank {r} (pid {pid}) is {via.stopped(r)}; resume it with "
+                              f"`kill -CONT {pid}` (it then sees the interrupt) or restart the kernel")
+            self.group.left_running.add(r)
+        await via.interrupt(stopped + self.interrupt())
+
+    def on_rank_died(self, rank: int, reason: str) -> None:
+        """A rank's process is gone (the supervisor noticed): its part of the cell ends."""
+        via = self.via
+        tail = via.log_tail(rank, 15) if via is not None else ""
+        where = via.describe(rank) if via is not None else "pid ?"
+        self.on_rank_lost(rank, RankDiedError, f"rank {rank} ({where}) {reason}",
+                          (f"Last output of the rank process:\n{tail}\n" if tail.strip() else "")
+                          + RESTART_FOR_FRESH)
+
+    def on_rank_stopped(self, rank: int) -> None:
+        """A rank of the cell was stopped (SIGSTOP, a debugger): say so once."""
+        if rank in self.busy_ranks:
+            self.notice_stopped(rank)
+
+    def notice_stopped(self, rank: int) -> None:
+        via = self.via
+        assert via is not None
+        self.notice(f"rank {rank} ({via.describe(rank)}) is {via.stopped(rank) or 'stopped'} (SIGSTOP or a "
+                    f"debugger): the cell waits for it. Resume it with `kill -CONT {via.pid(rank)}`, press stop "
+                    "to end the cell without it, or restart the kernel.", key=("stopped", rank))
+
+    def notice(self, text: str, key: tuple) -> None:
+        """A kernel message in the cell's output, once per cell and key."""
+        if key in self.noticed:
+            return
+        self.noticed.add(key)
+        self.flush(force=True)
+        self._raw_publish("stream", {"name": "stderr", "text": f"[dist_kernel] {text}\n"})
+
+    # ------------------------------------------------------------ finish
+    async def finish(self) -> dict | None:
+        """Run the cell to its end (:meth:`wait`), re-form the group if it broke, and return
+        the cell's error with the notes about the group, or None."""
+        error = await self.wait()
+        if self.via is not None and (self.group_broken or self.group_broke()):
+            await self._recover_group()
+        if error is not None:
+            error = dict(error, traceback=error["traceback"] + self.notes)
+        return error
+
+    def group_broke(self) -> bool:
+        """Did a rank report that its process group broke during the cell?"""
+        return any(protocol.meta_of(meta).get(protocol.META_GROUP_BROKEN) for meta in self.reply_metadata.values())
+
+    async def _recover_group(self) -> None:
+        """After a torn-down or broken group, form a fresh one on every rank (policy: after_cell)."""
+        via = self.via
+        assert via is not None
+
+        def decide() -> str:
+            return fault_policy.after_cell(self.group_broken, self.group_broke(), self.dead(),
+                                           self.group.left_running)
+
+        decision = decide()
+        if decision == "reform":
+            try:
+                await asyncio.wait_for(via.form_group(), self.reform_timeout)
+                self.notes.append(REFORMED)
+                return
+            except Exception as e:  # noqa: BLE001 - a rank died meanwhile, or a join failed
+                decision = decide()
+                if decision == "reform":
+                    self.notes.append(f"Re-forming the process group failed ({e}); restart the kernel.")
+                    return
+        if decision == "restart":
+            self.notes.append("A rank died, so the process group cannot be re-formed: restart the kernel.")
+        elif decision == "later":
+            self.group.reform_pending = True
+            self.notes.append(f"rank {format_ranks(sorted(self.group.left_running))} is still running its cell; "
+                              "the process group is re-formed before the next cell once it is back (restart "
+                              "the kernel if it does not come back).")
 
     def interrupt(self) -> list[int]:
         """The stop button: the busy ranks to send SIGINT now. A rank is signalled at most
@@ -265,6 +471,14 @@ class CellRun:
     @property
     def busy_ranks(self) -> list[int]:
         return [r for r in self.ranks if r not in self.finished]
+
+
+def _seen(place: Place | None) -> fault_policy.Seen:
+    """A ``where`` reply as the fault policy sees it (None: the rank did not answer)."""
+    if place is None:
+        return fault_policy.Seen(answered=False)
+    return fault_policy.Seen(answered=True, collective=place.collective, group_ranks=tuple(place.group_ranks),
+                             peer=place.peer, seq=place.seq, line=place.line)
 
 
 def _capture_change(msg_type: str, content: dict) -> bool:

@@ -39,6 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dist_kernel.exceptions import CollectiveHangError, RankDiedError
 from dist_kernel.parent.magics import format_ranks
 
 #: after a finished rank failed, or after an interrupt, how long others may stay busy
@@ -96,7 +97,7 @@ class Verdict:
     action: Action
     stuck: dict[int, str] = field(default_factory=dict)
     teardown_on: tuple[int, ...] = ()
-    ename: str = "CollectiveHangError"
+    ename: str = CollectiveHangError.__name__
 
 
 WAIT = Verdict("wait")
@@ -154,14 +155,14 @@ class Judge:
             s = seen.get(r)
             where = f" while waiting in torch.distributed.{s.collective}()" if s and s.blocked else ""
             stuck[r] = f"rank {r} was stopped{where}: rank {dead} died"
-        return Verdict("stop", stuck, ename="RankDiedError")
+        return Verdict("stop", stuck, ename=RankDiedError.__name__)
 
     def _after_interrupt(self, cell: Cell, busy: list[int], seen: dict[int, Seen], now: float) -> Verdict:
         assert cell.interrupted_at is not None
         if now - cell.interrupted_at >= GIVE_UP_AFTER:
             return Verdict("abandon", {r: f"rank {r} did not stop after the interrupt; it may still be "
                                           f"running (restart the kernel if it does not come back)"
-                                       for r in busy}, ename="KeyboardInterrupt")
+                                       for r in busy}, ename=KeyboardInterrupt.__name__)
         if cell.torn_down:
             return WAIT
         if cell.idle:  # the interrupt ended some ranks' cells: the others now wait for them
@@ -173,7 +174,7 @@ class Judge:
             return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in "
                                            f"torch.distributed.{seen[r].collective}()" for r in blocked},
                            teardown_on=tuple(r for r in cell.world if r not in cell.dead),
-                           ename="KeyboardInterrupt")
+                           ename=KeyboardInterrupt.__name__)
         return WAIT
 
     def _waiting_for_idle(self, cell: Cell, busy: list[int], seen: dict[int, Seen]) -> Verdict:

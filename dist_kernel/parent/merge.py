@@ -47,7 +47,9 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from dist_kernel.exceptions import DistributedError
 from dist_kernel.parent.magics import format_ranks
+from dist_kernel.protocol import META, META_GROUPS, META_RANKS, META_SOLO, meta_of, with_meta
 
 Emit = tuple[str, dict]  # (msg_type, content)
 
@@ -78,11 +80,6 @@ def label_lines(text: str, ranks: Sequence[int]) -> str:
     """Every line of ``text`` marked as coming from these ranks."""
     prefix = label(ranks)
     return "".join(prefix + line for line in text.splitlines(keepends=True))
-
-
-def error_content(ename: str, evalue: str, lines: Sequence[str] = ()) -> dict:
-    """The content of an ``error`` output the kernel makes itself (no Python traceback)."""
-    return {"ename": ename, "evalue": evalue, "traceback": [f"\x1b[1;31m{ename}\x1b[0m: {evalue}", *lines]}
 
 
 def namespaced_display_id(display_id: str, rank: int) -> str:
@@ -384,8 +381,7 @@ class CellMerger:
         self._split_chunks(now)
         self._flush_partials(rank, now, force=True)
         name, text = content.get("name", "stdout"), content.get("text", "")
-        meta = content.get("metadata")
-        marked = isinstance(meta, dict) and isinstance(meta.get("dist_kernel"), dict) and meta["dist_kernel"].get("solo")
+        marked = meta_of(content.get("metadata") if isinstance(content.get("metadata"), dict) else None).get(META_SOLO)
         if not marked or len(self.ranks) == 1:
             self._add_stream(rank, name, text, now)
         else:
@@ -443,9 +439,9 @@ class CellMerger:
         self._flush_partials(rank, now, force=True)  # keep print-then-display order
         content = dict(content)
         meta = content.get("metadata") or {}
-        marked = isinstance(meta.get("dist_kernel"), dict) and meta["dist_kernel"].get("solo")
+        marked = meta_of(meta).get(META_SOLO)
         if marked:  # the rank said this output is its alone (rank_agent.solo_output)
-            content["metadata"] = {k: v for k, v in meta.items() if k != "dist_kernel"}
+            content["metadata"] = {k: v for k, v in meta.items() if k != META}
         solo = (self.rich_from is not None or bool(marked)) and len(self.ranks) > 1
         display_id = (content.get("transient") or {}).get("display_id")
         if display_id is not None and solo:
@@ -692,7 +688,7 @@ class CellMerger:
         else:
             content = payload if lab is None else _labelled_rich(payload, group)  # type: ignore[arg-type]
         if lab is not None:
-            content = dict(content, metadata=dict(content.get("metadata") or {}, dist_kernel={"ranks": group}))
+            content = dict(content, metadata=with_meta(content.get("metadata"), {META_RANKS: group}))
         self._show_area(area, content)
 
     def _show_area(self, area: _Area, content: dict) -> None:
@@ -769,7 +765,7 @@ def _combined(states: dict[int, dict], ranks: Sequence[int]) -> dict:
     if any(m in d for _, d in datas for m in ("text/html", "image/png", "image/jpeg", "image/svg+xml")):
         data["text/html"] = "".join(f"<div><pre style='margin:0'>{label(g).strip()}</pre>{_html_of(d)}</div>"
                                     for g, d in datas)
-    return {"data": data, "metadata": {"dist_kernel": {"ranks": sorted(states), "groups": [g for g, _ in datas]}}}
+    return {"data": data, "metadata": with_meta({}, {META_RANKS: sorted(states), META_GROUPS: [g for g, _ in datas]})}
 
 
 def _labelled_rich(content: dict, ranks: Sequence[int]) -> dict:
@@ -781,7 +777,7 @@ def _labelled_rich(content: dict, ranks: Sequence[int]) -> dict:
     if "text/html" in data:
         data["text/html"] = f"<pre style='margin:0'>{prefix.strip()}</pre>" + data["text/html"]
     meta = content.get("metadata") or {}
-    content["metadata"] = dict(meta, dist_kernel={"ranks": list(ranks)})
+    content["metadata"] = with_meta(meta, {META_RANKS: list(ranks)})
     return content
 
 
@@ -830,5 +826,5 @@ def merge_errors(errors: dict[int, dict], ranks: Iterable[int]) -> dict | None:
         tb.append(f"\x1b[1;31m━━━━ {head} ━━━━\x1b[0m")
         tb.extend(err.get("traceback", []))
     enames = {errors[g[0]].get("ename") for g in groups.values()}
-    ename = first.get("ename") if len(enames) == 1 else "DistributedError"
+    ename = first.get("ename") if len(enames) == 1 else DistributedError.__name__
     return {"ename": ename, "evalue": "; ".join(summary), "traceback": tb}

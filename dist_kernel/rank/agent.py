@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Iterator
 from types import FrameType
 
-from dist_kernel.protocol import Done, Place, RankStatus
+from dist_kernel.protocol import META_RANKS, META_SOLO, Done, Place, RankStatus, meta_of, with_meta
 
 _state: dict[str, object] = {"empty_cache": True, "busy": False}
 
@@ -151,7 +151,7 @@ def solo_output(streams: bool = False) -> Iterator[None]:
     if original is not None and not getattr(original, "__dist_kernel_solo__", False):  # nested: marked already
 
         def publish(data: dict, metadata: dict | None = None, *args: object, **kwargs: object) -> None:
-            metadata = dict(metadata or {}, dist_kernel={"solo": True})
+            metadata = with_meta(metadata, {META_SOLO: True})
             original(data, metadata, *args, **kwargs)
 
         publish.__dist_kernel_solo__ = True  # type: ignore[attr-defined]
@@ -217,7 +217,7 @@ def cell_ranks() -> tuple[int, ...]:
         meta = kernel.get_parent("shell").get("metadata") or {} if kernel is not None else {}
     except Exception:  # noqa: BLE001 - no request in this context
         meta = {}
-    ranks = (meta.get("dist_kernel") or {}).get("ranks")
+    ranks = meta_of(meta).get(META_RANKS)
     if isinstance(ranks, list) and all(isinstance(r, int) for r in ranks) and ranks:
         return tuple(ranks)
     world = int(os.environ.get("WORLD_SIZE", "1"))

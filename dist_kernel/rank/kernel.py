@@ -108,17 +108,17 @@ class RankKernel(IPythonKernel):
         error = getattr(result, "error_in_exec", None) if result is not None else None
         info: dict = {}
         if reply_content.get("status") == "error" and agent.group_broke(error):
-            info["group_broken"] = True
+            info[protocol.META_GROUP_BROKEN] = True
         # how many IOPub messages this cell published before its reply (streams are flushed by
         # now): the parent has all of its output once it holds the reply and that many
         # messages, without waiting for the idle that the IOPub thread sends after the reply
         with self._count_lock:
             if self._counting == _msg_id(parent):
-                info["iopub"] = self._published
+                info[protocol.META_IOPUB] = self._published
                 self._told = self._counting
             self._counting = None
         if info:
-            metadata["dist_kernel"] = info
+            metadata[protocol.META] = info
         return metadata
 
     # ------------------------------------------------------------ dist_request
@@ -271,7 +271,7 @@ class RankOutStream(OutStream):
 
     def write(self, string: str) -> int | None:  # type: ignore[override]
         if self.solo and isinstance(string, str) and string and threading.current_thread() is threading.main_thread():
-            content = {"name": self.name, "text": string, "metadata": {"dist_kernel": {"solo": True}}}
+            content = {"name": self.name, "text": string, "metadata": protocol.with_meta(None, {protocol.META_SOLO: True})}
             self.session.send(self.pub_thread, "stream", content, parent=self.parent_header, ident=self.topic)
             return len(string)
         n = super().write(string)

@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import Any
 
 import dist_kernel.rank.fastai.state as state
+from dist_kernel.protocol import META_SOLO, with_meta
 from dist_kernel.rank.fastai.state import wrap_once
 
 _depth = 0  # > 0 while a wrapped helper runs: the helpers it calls pass straight through
@@ -63,7 +64,7 @@ def _mark_figures_on_display() -> None:
         if not owned:
             return {}, {}  # display() and the displayhook publish nothing for empty data
         data, metadata = original(obj, *args, **kwargs)
-        return data, dict(metadata or {}, dist_kernel={"solo": True})
+        return data, with_meta(metadata, {META_SOLO: True})
 
     format.__dist_kernel__ = True
     formatter.format = format

@@ -8,21 +8,10 @@ import threading
 import time
 
 import pytest
-from harness import DistKernel
+from harness import DistKernel, shell_reply
 from test_cluster import SSH_OPTS, kernel_env
-from test_frontend import shell_reply
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def lab():
-    from cluster_lab import lab_env
-
-    env = lab_env()
-    if env is None:
-        pytest.skip("cluster lab unavailable")
-    return env
 
 
 @pytest.fixture(scope="module")

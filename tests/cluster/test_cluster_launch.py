@@ -41,7 +41,7 @@ from dist_kernel.parent.cluster import (
 )
 from dist_kernel.parent.reaper import reap, write_launch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOG = logging.getLogger("test_cluster_launch")
 BOOTSTRAP = b'{"key": "s3cret-bootstrap"}\n'
 
@@ -319,12 +319,10 @@ def dead_pid() -> int:
 
 # =============================================================================== the lab
 @pytest.fixture(scope="module")
-def lab():
-    from cluster_lab import lab_env
-    env = lab_env()
-    if env is None:
-        pytest.skip("cluster lab unavailable")
-    return {**os.environ, **env, cluster.SSH_OPTS_ENV: env["LAB_SSH_OPTS"]}
+def lab(lab):
+    """The lab (tests/cluster/conftest.py) as this module's commands need it: over this process's
+    environment, with the lab's ssh options where the launcher reads them."""
+    return {**os.environ, **lab, cluster.SSH_OPTS_ENV: lab["LAB_SSH_OPTS"]}
 
 
 def lab_run(lab, *argv: str, check: bool = False) -> str:

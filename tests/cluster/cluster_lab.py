@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAB_SH = ROOT / "tests" / "cluster" / "lab.sh"
 
 _cached: dict[str, str] | None = None

@@ -7,16 +7,9 @@ import threading
 import time
 
 import pytest
-from harness import DistKernel, visible
+from harness import DistKernel, shell_reply, visible
 
 pytestmark = pytest.mark.slow
-
-
-def shell_reply(k: DistKernel, msg_id: str, timeout: float = 10) -> dict:
-    while True:
-        reply = k.kc.get_shell_msg(timeout=timeout)
-        if reply["parent_header"]["msg_id"] == msg_id:
-            return reply["content"]
 
 
 # ------------------------------------------------------------ completion & co

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).parent.parent / "dist_kernel"
+PACKAGE = Path(__file__).parents[2] / "dist_kernel"
 
 
 def _module_name(path: Path) -> str:

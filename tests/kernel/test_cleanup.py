@@ -27,7 +27,7 @@ from harness import DistKernel, end_process_tree
 from dist_kernel.parent import cleanup
 from dist_kernel.parent.reaper import reap, write_pids
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 # run in every rank: three processes that outlive a rank killed by SIGKILL; prints their pids
 START_LEFTOVERS = """\

@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("DIST_KERNEL_CHROMIUM", "/usr/bin/chromium")
 DISPLAY_NAME = "Distributed Python"
 CARD = f'.jp-LauncherCard[data-category="Notebook"][title="{DISPLAY_NAME}"]'

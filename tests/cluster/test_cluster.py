@@ -45,7 +45,7 @@ from harness import DistKernel, end_process_tree
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAB_SH = ROOT / "tests" / "cluster" / "lab.sh"
 NODES = {"n1": "10.77.0.11", "n2": "10.77.0.12"}
 HEAD = "10.77.0.1"
@@ -53,44 +53,9 @@ LAB_IFACES = ("dklab0", "dklabh1", "dklabh2")  # the bridge and the root-side en
 EXAMPLE = ROOT / "examples" / "ddp_synthetic.ipynb"
 #: Slurm's commands (squeue, scontrol, scancel) read the lab's config from here (env.sh says so too)
 SLURM_ENV = {**os.environ, "SLURM_CONF": os.path.join(os.environ.get("LAB_DIR", "/run/dk-cluster-lab"), "slurm.conf")}
-#: CI sets this: a lab that cannot come up is then a failure, never a skip
-REQUIRED = os.environ.get("DIST_KERNEL_CLUSTER_TESTS") == "required"
 
 
-# =============================================================================== the lab
-def _own_lab_env() -> dict[str, str] | None:
-    """``lab.sh up`` (idempotent), then env.sh parsed; skip with the lab's reason on exit 77."""
-    p = subprocess.run(["bash", str(LAB_SH), "up"], capture_output=True, text=True, timeout=600)
-    if p.returncode == 77:
-        reason = next((ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("SKIP:")), "SKIP: lab.sh up")
-        pytest.skip(reason)
-    assert p.returncode == 0, f"lab.sh up failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    env_sh = Path(os.environ.get("LAB_DIR", "/run/dk-cluster-lab")) / "env.sh"
-    out = subprocess.run(["bash", "-c", f'set -a; . "{env_sh}"; env -0'], capture_output=True, check=True).stdout
-    env = dict(kv.split("=", 1) for kv in out.decode().split("\0") if "=" in kv)
-    return {k: v for k, v in env.items() if k.startswith("LAB_") or k == "SLURM_CONF"}
-
-
-@pytest.fixture(scope="session")
-def lab() -> dict[str, str]:
-    """The lab's environment (SLURM_CONF, LAB_SSH_OPTS, ...); never torn down here."""
-    try:
-        from cluster_lab import lab_env  # the shared fixture, once it exists
-    except ImportError:
-        lab_env = _own_lab_env
-    try:
-        env = lab_env()
-    except pytest.skip.Exception as e:
-        if REQUIRED:
-            pytest.fail(f"cluster lab unavailable but DIST_KERNEL_CLUSTER_TESTS=required: {e}")
-        raise
-    if env is None:
-        if REQUIRED:
-            pytest.fail("cluster lab unavailable but DIST_KERNEL_CLUSTER_TESTS=required")
-        pytest.skip("cluster lab unavailable")
-    return env
-
-
+# =============================================================================== the lab (conftest.py)
 def kernel_env(lab: dict[str, str]) -> dict[str, str]:
     """What the parent kernel needs in its environment for either launcher."""
     return {"SLURM_CONF": lab["SLURM_CONF"], "DIST_KERNEL_SSH_OPTS": lab["LAB_SSH_OPTS"]}

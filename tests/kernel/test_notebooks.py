@@ -19,7 +19,7 @@ from nbclient.exceptions import CellExecutionError
 from dist_kernel.runner import kernel_manager
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_synthetic.ipynb"
 
 

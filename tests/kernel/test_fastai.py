@@ -19,7 +19,7 @@ from dist_kernel.runner import kernel_manager
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+EXAMPLES = Path(__file__).parents[2] / "examples"
 _LINE = re.compile(r"^(?:\[rank (?P<ranks>[\d,\-]+)\] )?DKTEST (?P<json>\{.*\})$", re.M)
 
 # before the notebook: log who downloads and who extracts (instrumentation, nothing replaced)

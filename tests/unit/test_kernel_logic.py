@@ -1,0 +1,257 @@
+"""The parent kernel's own logic, driven in-process against fake ranks, in milliseconds.
+
+Everything but the ranks is real: ipykernel's dispatch, the Jupyter session and its
+signatures, the kernel's handlers, each cell's run, the merger and the fault policy. What the
+real ranks do is proven in ``tests/kernel``; these tests claim only what the parent does with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fake_ranks import Act, FakeRanks, stdout
+from inprocess import Frontend
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def run(test):
+    """Run ``test(frontend, ranks)`` against a kernel on two fake ranks (or ``world_size``)."""
+    def go(script=None, world_size=2, hang_grace=0.2, ranks_ready=True):
+        async def main():
+            fe = Frontend()
+            ranks = FakeRanks(fe.kernel, world_size=world_size, script=script, hang_grace=hang_grace)
+            fe.kernel.dist_config = ranks.config
+            fe.kernel.attach(ranks)
+            if ranks_ready:
+                await ranks.start()
+            try:
+                return await test(fe, ranks)
+            finally:
+                fe.close()
+        return asyncio.run(main())
+    return go
+
+
+async def running(fe, ranks, code: str = "while True: pass"):
+    """Send a cell that keeps every rank busy; its request and the task that ends with its reply."""
+    msg = fe.execute_request(code)
+    task = asyncio.ensure_future(fe.send_shell(msg))
+    await ranks.running(ranks.config.world_size)
+    return msg, task
+
+
+def msg_types(cell) -> list[str]:
+    return [m["msg_type"] for m in cell.messages]
+
+
+# ------------------------------------------------------------------ do_execute
+def test_identical_output_of_every_rank_shows_once_and_the_reply_is_ok():
+    async def test(fe, ranks):
+        cell = await fe.execute("print('hi')")
+        assert cell.status == "ok" and cell.reply["content"]["execution_count"] == 1
+        assert cell.stream() == "hi\n"
+        assert [r for r, t, _, _ in ranks.sent if t == "execute_request"] == [0, 1]
+
+    run(test)(lambda rank, code: Act(out=[stdout("hi\n")]))
+
+
+def test_busy_and_the_input_come_first_and_idle_last_even_while_busy_is_held():
+    async def test(fe, ranks):
+        cell = await fe.execute("print(rank)")
+        types = msg_types(cell)
+        assert types[:2] == ["status", "execute_input"] and types[-1] == "status"
+        assert [m["content"]["execution_state"] for m in cell.messages if m["msg_type"] == "status"] == ["busy", "idle"]
+        assert cell.stream() == "[rank 0] 0\n[rank 1] 1\n"
+
+    run(test)(lambda rank, code: Act(out=[stdout(f"{rank}\n")]))
+
+
+def test_a_rank_selection_runs_the_cell_on_those_ranks_only_and_tells_them_which():
+    async def test(fe, ranks):
+        cell = await fe.execute("%%rank 1\nprint('one')")
+        assert cell.status == "ok" and cell.stream() == "one\n"
+        sent = [(r, c["code"].strip(), m) for r, t, c, m in ranks.sent if t == "execute_request"]
+        assert sent == [(1, "print('one')", {"dist_kernel": {"ranks": [1]}})]
+
+    run(test)(lambda rank, code: Act(out=[stdout("one\n")]))
+
+
+def test_a_reply_without_a_count_waits_for_the_ranks_idle():
+    async def test(fe, ranks):
+        cell = await fe.execute("x")
+        assert cell.status == "ok" and cell.stream() == "late\n"
+
+    run(test)(lambda rank, code: Act(out=[stdout("late\n")], count=False))
+
+
+def test_one_failing_rank_fails_the_cell_naming_it():
+    async def test(fe, ranks):
+        cell = await fe.execute("boom()")
+        assert cell.status == "error" and cell.reply["content"]["ename"] == "ValueError"
+        assert len(cell.errors) == 1 and "rank 1" in "".join(cell.errors[0]["traceback"])
+
+    run(test)(lambda rank, code: Act(error=("ValueError", "bad") if rank == 1 else None))
+
+
+def test_a_bad_rank_selection_is_a_clear_error_and_no_rank_runs_anything():
+    async def test(fe, ranks):
+        cell = await fe.execute("%%rank 7\nx")
+        assert cell.status == "error" and cell.reply["content"]["ename"] == "RankSpecError"
+        assert "rank 7 does not exist" in cell.reply["content"]["evalue"]
+        assert not [s for s in ranks.sent if s[1] == "execute_request"]
+
+    run(test)()
+
+
+def test_a_usage_error_of_a_parent_magic_names_the_fix():
+    async def test(fe, ranks):
+        cell = await fe.execute("%dist_output some")
+        assert cell.reply["content"]["ename"] == "UsageError" and "%dist_output all" in cell.reply["content"]["evalue"]
+
+    run(test)()
+
+
+def test_after_an_error_the_requests_already_queued_are_aborted_and_a_later_one_runs():
+    async def test(fe, ranks):
+        first = fe.execute_request("fail()")
+        queued = fe.execute_request("print('queued')")
+        await asyncio.gather(fe.send_shell(first), fe.send_shell(queued))  # Run All: both arrived
+        assert fe.collect(first).status == "error"
+        assert fe.collect(queued).status == "aborted"
+        later = await fe.execute("print('later')")
+        assert later.status == "ok" and later.stream() == "later\n"
+
+    run(test)(lambda rank, code: Act(error=("RuntimeError", "x")) if "fail" in code else Act(out=[stdout("later\n")]))
+
+
+# ------------------------------------------------------------------- interrupt
+def test_the_stop_button_interrupts_the_busy_ranks_and_the_cell_ends_with_one_keyboard_interrupt():
+    async def test(fe, ranks):
+        msg, task = await running(fe, ranks)
+        reply = await fe.send_control(fe.request("interrupt_request", {}))
+        assert reply["content"]["status"] == "ok"
+        await task
+        cell = fe.collect(msg)
+        assert sorted(ranks.signalled) == [0, 1]
+        assert cell.status == "error" and cell.reply["content"]["ename"] == "KeyboardInterrupt"
+        assert len(cell.errors) == 1
+
+    run(test)(lambda rank, code: Act(runs=True))
+
+
+def test_a_stop_pressed_before_a_cell_was_sent_does_not_hit_it():
+    async def test(fe, ranks):
+        pressed = fe.request("interrupt_request", {})  # dated before the cell below
+        msg, task = await running(fe, ranks)
+        await fe.send_control(pressed)
+        assert ranks.signalled == []
+        await fe.send_control(fe.request("interrupt_request", {}))
+        await task
+        assert fe.collect(msg).reply["content"]["ename"] == "KeyboardInterrupt"
+
+    run(test)(lambda rank, code: Act(runs=True))
+
+
+def test_a_stopped_rank_is_named_and_the_stop_button_ends_the_cell_without_it():
+    async def test(fe, ranks):
+        msg, task = await running(fe, ranks)
+        ranks.stop(1)
+        await asyncio.sleep(0.02)
+        notice = "".join(m["content"].get("text", "") for m in fe.published(msg))
+        assert "rank 1 (pid 1001) is stopped (SIGSTOP)" in notice and "kill -CONT 1001" in notice
+        await fe.send_control(fe.request("interrupt_request", {}))
+        await task
+        cell = fe.collect(msg)
+        assert cell.status == "error" and "RankStoppedError" in "".join(cell.errors[0]["traceback"])
+        assert fe.kernel.group.left_running == {1}
+        assert sorted(ranks.signalled) == [0, 1]  # the stopped rank too: it sees the signal once resumed
+
+    run(test)(lambda rank, code: Act(runs=True))
+
+
+# ---------------------------------------------------------------------- faults
+def test_a_rank_that_dies_mid_cell_ends_the_cell_with_its_last_words_and_later_cells_say_restart():
+    async def test(fe, ranks):
+        msg, task = await running(fe, ranks)
+        ranks.die(1)
+        await task  # the fault policy stops the survivor: it cannot finish without its peer
+        cell = fe.collect(msg)
+        text = "".join(cell.errors[0]["traceback"])
+        assert ranks.signalled == [0]
+        assert cell.status == "error" and "RankDiedError" in text and "rank 1's last words" in text
+        later = await fe.execute("x = 1")
+        assert later.reply["content"]["ename"] == "RankDiedError" and "Restart the kernel" in "".join(
+            later.errors[0]["traceback"])
+
+    run(test)(lambda rank, code: Act(runs=True))
+
+
+def test_a_rank_waiting_in_a_collective_for_a_finished_rank_is_freed_and_the_group_re_formed():
+    async def test(fe, ranks):
+        cell = await fe.execute("if rank == 1: dist.barrier()")
+        text = "".join(cell.errors[0]["traceback"])
+        assert cell.status == "error" and "CollectiveHangError" in text and "barrier" in text
+        assert ranks.torn_down and ranks.formations == 1
+        assert "the process group was re-formed" in text
+        assert (await fe.execute("print('again')")).status == "ok"
+
+    run(test)(lambda rank, code: Act(blocked_in="barrier") if rank == 1 and "barrier" in code else Act())
+
+
+def test_a_cell_whose_error_broke_the_group_re_forms_it():
+    async def test(fe, ranks):
+        cell = await fe.execute("dist.all_reduce(t)")
+        assert cell.status == "error" and ranks.formations == 1
+        assert "the process group was re-formed" in "".join(cell.errors[0]["traceback"])
+
+    def script(rank, code):
+        return Act(blocked_in="all_reduce") if rank == 0 else Act(error=("DistBackendError", "peer gone"))
+
+    run(test)(script)
+
+
+def test_the_ranks_failing_to_start_is_the_error_of_every_cell():
+    async def test(fe, ranks):
+        ranks.start_error = "rank 1 could not join the gloo process group"
+        await ranks.start()
+        cell = await fe.execute("x")
+        assert cell.reply["content"]["ename"] == "RankStartError" and "could not join" in cell.reply["content"]["evalue"]
+
+    run(test)(ranks_ready=False)
+
+
+# ----------------------------------------------------------------------- comms
+def test_a_frontend_comm_message_goes_to_the_rank_that_opened_the_comm():
+    async def test(fe, ranks):
+        await fe.execute("w = Widget()")
+        await fe.send_shell(fe.request("comm_msg", {"comm_id": "w1", "data": {"method": "update"}}))
+        await asyncio.sleep(0)  # forwarded in a task
+        assert [(r, c["comm_id"]) for r, t, c, _ in ranks.sent if t == "comm_msg"] == [(1, "w1")]
+
+    def script(rank, code):
+        return Act(out=[("comm_open", {"comm_id": "w1", "target_name": "jupyter.widget", "data": {}})] if rank == 1
+                   else [])
+
+    run(test)(script)
+
+
+def test_comm_info_merges_the_comms_of_every_rank():
+    async def test(fe, ranks):
+        msg = fe.request("comm_info_request", {})
+        await fe.send_shell(msg)
+        reply = fe.collect(msg).reply
+        assert set(reply["content"]["comms"]) == {"comm-of-0", "comm-of-1"}
+        assert fe.kernel.comms.rank_for("comm-of-1") == 1
+
+    run(test)()
+
+
+def test_completion_is_answered_by_the_first_rank_a_selection_names():
+    async def test(fe, ranks):
+        msg = fe.request("complete_request", {"code": "%%rank 1\nx", "cursor_pos": 10})
+        await fe.send_shell(msg)
+        assert fe.collect(msg).reply["content"]["matches"] == ["from_rank_1"]
+
+    run(test)()
