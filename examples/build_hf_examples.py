@@ -9,7 +9,7 @@
 
 Nothing is downloaded: the models are built from configs, the data is generated. Each notebook's
 code, cells tagged ``kernel-only`` left out, is also a script that runs as it is under
-``torchrun --nproc-per-node N`` (``tests/test_ecosystem_hf.py`` compares the two); its last cell
+``torchrun --nproc-per-node N`` (``tests/kernel/test_ecosystem_hf.py`` compares the two); its last cell
 prints one ``RESULT {json}`` line with the numbers compared.
 """
 

@@ -1,6 +1,6 @@
 """What the library integrations inside a rank share (import hooks, switches) and the pure
 decisions of the Hugging Face one, as fast unit tests; the real-kernel tests are in
-test_fastai.py and test_ecosystem_hf.py."""
+tests/kernel/test_fastai.py and tests/kernel/test_ecosystem_hf.py."""
 
 from __future__ import annotations
 
