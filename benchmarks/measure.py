@@ -74,11 +74,13 @@ def train_in_kernel(k: Kernel, **kw: int) -> dict:
     return ddp_train.parse(res.stdout())
 
 
-def train_torchrun(ranks: int, **kw: int) -> dict:
+def train_torchrun(ranks: int, script: str = "ddp_train.py", args: tuple[str, ...] = (),
+                   env: dict[str, str] | None = None, **kw: int) -> dict:
+    """Run ``benchmarks/<script> <args> --k=v ...`` under torchrun; rank 0's ``@@`` result."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           os.path.join("benchmarks", "ddp_train.py")] + [f"--{k}={v}" for k, v in kw.items()]
+           os.path.join("benchmarks", script), *args] + [f"--{k}={v}" for k, v in kw.items()]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    p = subprocess.run(cmd, cwd=ROOT, env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=600)
     try:
         res = ddp_train.parse(p.stdout)  # rank 0's result counts even if teardown failed later
     except ValueError:

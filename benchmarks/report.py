@@ -277,12 +277,12 @@ def markdown(res: dict, idle: bool = True) -> str:
     dist = res.get("dist", {})
     meta = res.get("meta", {})
     lines = ["# dist_kernel benchmarks", "", *_header(res)]
-    if not dist:  # --only idle, --only cluster, --only lightning
-        if res.get("lightning"):
-            from benchmarks import lightning_train
+    if not dist:  # --only idle, --only cluster, --only lightning, --only hf
+        from benchmarks import hf_train, lightning_train
 
-            return "\n".join(lines + [lightning_train.markdown(res)])
-        return "\n".join(lines + [idle_block(res) if res.get("idle") else cluster.markdown(res)])
+        section = (idle_block(res) if res.get("idle") else lightning_train.markdown(res) if res.get("lightning")
+                   else hf_train.markdown(res) if res.get("hf") else cluster.markdown(res))
+        return "\n".join(lines + [section])
 
     # 1. round trip
     lines += [SECTIONS[0], "", "`x = 1`, from sending execute_request to the kernel's idle status, in ms. "

@@ -157,6 +157,8 @@ OPTIONS: tuple[Option, ...] = (
            metavar="on|off"),
     Option("lightning", switch, "on", "Lightning integration inside the ranks (default {default})", _SUPERVISOR,
            metavar="on|off"),
+    Option("hf", switch, "on", "Hugging Face integration inside the ranks: accelerate's notebook_launcher and "
+           "print, Transformers' Trainer output (default {default})", _SUPERVISOR, metavar="on|off"),
     Option("seed", whole(0), None, "random seed shared by every rank (default: random)", _SUPERVISOR,
            metavar="N"),
     Option("hang_grace", positive, "10", "seconds a rank may wait in a collective the others never "
@@ -202,6 +204,7 @@ class KernelConfig:
     merge_window: float = _default("merge_window_ms")  # seconds
     fastai: bool = _default("fastai")
     lightning: bool = _default("lightning")
+    hf: bool = _default("hf")
     seed: int | None = None  # None: the parent draws one per start, shared by every rank
     hang_grace: float = _default("hang_grace")
     empty_cache: bool = _default("empty_cache")
@@ -403,7 +406,8 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
 
     config = KernelConfig(world_size=world, backend=backend, gpus=tuple(gpus), timeout=get("timeout"),
                           startup_timeout=get("startup_timeout"), merge_window=get("merge_window_ms"),
-                          fastai=get("fastai"), lightning=get("lightning"), seed=value["seed"], hang_grace=get("hang_grace"),
+                          fastai=get("fastai"), lightning=get("lightning"), hf=get("hf"), seed=value["seed"],
+                          hang_grace=get("hang_grace"),
                           empty_cache=get("empty_cache"), rich_output=get("rich_output"), launcher=launcher,
                           nodes=nodes, ranks_per_node=per_node, hosts=hosts, slurm_args=slurm_args,
                           listen=listen, port_range=port_range, oversubscribe=get("oversubscribe"))

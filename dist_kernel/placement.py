@@ -56,4 +56,7 @@ def rank_env(base: dict[str, str], *, rank: int, ranks_per_node: int, world_size
         # accelerate (and fastai's distrib_ctx, built on it) only trains data-parallel on CPU
         # when told to; otherwise it would see "no GPU" and train each rank alone
         env.setdefault("ACCELERATE_USE_CPU", "true")
+        # DeepSpeed (which accelerate and Transformers import when it is installed) would log a
+        # timestamped "Setting accelerator to CPU" warning per rank: one labelled line each
+        env.setdefault("DS_ACCELERATOR", "cpu")
     return env

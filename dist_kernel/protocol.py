@@ -101,6 +101,7 @@ class Join(Request):
     fastai: bool = False
     empty_cache: bool = True
     lightning: bool = False  # install the Lightning integration (first formation)
+    hf: bool = False  # the Hugging Face integration (accelerate, Transformers)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,8 @@ class Teardown(Request):
 @dataclass(frozen=True)
 class SetOption(Request):
     """Switch a rank-side behaviour at run time: ``empty_cache`` (free the CUDA cache after
-    each cell), ``fastai`` or ``lightning`` (those integrations)."""
+    each cell), ``fastai``, ``lightning`` or ``hf`` (those integrations; ``hf`` is accelerate
+    and Transformers)."""
 
     op: ClassVar[str] = "set_option"
     name: str
@@ -142,7 +144,7 @@ class SetOption(Request):
 
 #: every request, by op
 REQUESTS: dict[str, type[Request]] = {c.op: c for c in (Join, Where, Status, Teardown, SetOption)}
-OPTION_NAMES = ("empty_cache", "fastai", "lightning")
+OPTION_NAMES = ("empty_cache", "fastai", "lightning", "hf")
 
 
 # ---------------------------------------------------------------------- replies

@@ -275,6 +275,9 @@ class CellMerger:
         self._heard[rank] = now
         if self._start is None:
             self._start = now
+        if msg_type == "stream" and "metadata" in content:
+            self._add_solo_stream(rank, content, now)
+            return
         if msg_type == "stream" and self._add_chunk(rank, content.get("name", "stdout"), content.get("text", ""), now):
             return
         if self._chunks:
@@ -360,7 +363,8 @@ class CellMerger:
         as in the cell."""
         if msg_type == "stream":
             text = content.get("text", "")
-            self._out.append(("stream", dict(content, text=label_lines(text, [rank]) if labelled else text)))
+            name = content.get("name", "stdout")
+            self._out.append(("stream", {"name": name, "text": label_lines(text, [rank]) if labelled else text}))
         elif msg_type in RICH_TYPES and (content.get("transient") or {}).get("display_id") is not None:
             content = dict(content)
             display_id = content.pop("transient")["display_id"]
@@ -464,6 +468,20 @@ class CellMerger:
                 t0 = now
             units = lines
         part.text, part.t = rest, (now if units else part.t)
+
+    def _add_solo_stream(self, rank: int, content: dict, now: float) -> None:
+        """Text the rank marked as its alone (``agent.solo_output(streams=True)``: rank 0's log
+        line that the other ranks never print) is shown unlabelled, in its place, as it is."""
+        self._split_chunks(now)
+        self._flush_partials(rank, now, force=True)
+        name, text = content.get("name", "stdout"), content.get("text", "")
+        marked = meta_of(content.get("metadata") if isinstance(content.get("metadata"), dict) else None).get(META_SOLO)
+        if not marked or len(self.ranks) == 1:
+            self._add_stream(rank, name, text, now)
+        else:
+            self._push(rank, _Item("stream", ("solo", rank, id(content)), {"name": name, "text": text}, now,
+                                   solo=True, size=len(text)))
+        self._drain(now)
 
     def _flush_partials(self, rank: int, now: float, force: bool = False,
                         names: tuple[str, ...] = ("stdout", "stderr")) -> None:

@@ -222,7 +222,7 @@ class RankSupervisor:
                             timeout=cfg.timeout, use_cuda=cfg.uses_cuda, first=first,
                             seed=self.seed if first else None, fastai=cfg.fastai,
                             empty_cache=cfg.empty_cache,
-                            lightning=cfg.lightning)
+                            lightning=cfg.lightning, hf=cfg.hf)
         try:
             reply = await r.channel.request(req, timeout=cfg.startup_timeout)
         except RankRequestError as e:

@@ -227,23 +227,65 @@ def after_cell(result: object = None) -> None:
 
 
 @contextlib.contextmanager
-def solo_output() -> Iterator[None]:
+def solo_output(streams: bool = False) -> Iterator[None]:
     """Rich output shown while this is active is this rank's alone (say, rank 0's progress bar
-    while the other ranks hide theirs): the parent shows it unlabelled, as one process would."""
+    while the other ranks hide theirs): the parent shows it unlabelled, as one process would.
+    With ``streams``, so is text printed meanwhile (rank 0's log line that the others never
+    print): it goes out in stream messages of its own, marked alike (see
+    :class:`dist_kernel.rank.kernel.RankOutStream`)."""
     from IPython import get_ipython
 
-    shell = get_ipython()
-    pub = getattr(shell, "display_pub", None)
+    pub = getattr(get_ipython(), "display_pub", None)
+    original = getattr(pub, "publish", None)
+    if original is not None and not getattr(original, "__dist_kernel_solo__", False):  # nested: marked already
+
+        def publish(data: dict, metadata: dict | None = None, *args: object, **kwargs: object) -> None:
+            metadata = with_meta(metadata, {META_SOLO: True})
+            original(data, metadata, *args, **kwargs)
+
+        publish.__dist_kernel_solo__ = True  # type: ignore[attr-defined]
+        pub.publish = publish
+    else:
+        original = None
+    marked = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "solo") and not s.solo] if streams else []
+    if marked:
+        flush_streams()  # what was printed before goes first, unmarked
+    for stream in marked:
+        stream.solo = True
+    try:
+        yield
+    finally:
+        if original is not None:
+            pub.publish = original
+        for stream in marked:
+            stream.solo = False
+
+
+def flush_streams() -> None:
+    """Send what this rank printed so far. A rank whose twin shows solo output calls it at the
+    same point, so that text printed before by every rank leaves every rank alike (and merges)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or replaced stream: nothing to send
+            pass
+
+
+@contextlib.contextmanager
+def dropped_output() -> Iterator[None]:
+    """Nothing this rank displays while this is active reaches the frontend (another rank shows
+    the same thing, marked as its alone with :func:`solo_output`)."""
+    from IPython import get_ipython
+
+    pub = getattr(get_ipython(), "display_pub", None)
     if pub is None:
         yield
         return
     original = pub.publish
-
-    def publish(data: dict, metadata: dict | None = None, *args: object, **kwargs: object) -> None:
-        metadata = with_meta(metadata, {META_SOLO: True})
-        original(data, metadata, *args, **kwargs)
-
-    pub.publish = publish
+    # a display flushes the streams first: so does a dropped one, so that text printed before
+    # leaves when it would have, and meets its twins from the ranks that show the display
+    flush = getattr(pub, "_flush_streams", lambda: None)
+    pub.publish = lambda *args, **kwargs: flush()
     try:
         yield
     finally:
@@ -300,6 +342,11 @@ def status() -> RankStatus:
 def set_device(device: str) -> None:
     """Remember the rank's device for status (the user may rebind the name ``device``)."""
     _state["device"] = device
+
+
+def device() -> str:
+    """The device the kernel gave this rank (``cpu``, ``cuda:0``, ...)."""
+    return str(_state.get("device", "cpu"))
 
 
 def teardown_group(peer_pids: list[int], peer_hosts: list[str] | None = None) -> Done:

@@ -267,17 +267,14 @@ def _join(req: protocol.Join) -> protocol.Joined:
 
 
 def _set_option(req: protocol.SetOption) -> protocol.Done:
-    """``empty_cache``, ``fastai`` or ``lightning``, switched at run time (the protocol validated the name)."""
+    """``empty_cache``, ``fastai``, ``lightning`` or ``hf``, switched at run time (the protocol
+    validated the name)."""
     if req.name == "empty_cache":
         agent.set_empty_cache(req.on)
-    elif req.name == "lightning":
-        from dist_kernel.rank import lightning
-
-        lightning.set_enabled(req.on)
     else:
-        from dist_kernel.rank.fastai import state
+        from dist_kernel.rank.integration import SWITCHES
 
-        state.set_enabled(req.on)
+        SWITCHES[req.name].set(req.on)
     return protocol.Done(outcome=f"{req.name} {'on' if req.on else 'off'}")
 
 
@@ -299,8 +296,18 @@ class RankOutStream(OutStream):
 
     _writes = 0
     _flushed = 0
+    #: set by :func:`dist_kernel.rank.agent.solo_output`: text written meanwhile is this rank's
+    #: alone (rank 0's progress bar or log line): it goes out at once in a stream message of its
+    #: own, marked in its content (as a rich output is in its metadata); the parent shows it
+    #: unlabelled, as one process would, and removes the mark. Text buffered before keeps its
+    #: timing, so it still meets its twins from the other ranks.
+    solo = False
 
     def write(self, string: str) -> int | None:  # type: ignore[override]
+        if self.solo and isinstance(string, str) and string and threading.current_thread() is threading.main_thread():
+            content = {"name": self.name, "text": string, "metadata": protocol.with_meta(None, {protocol.META_SOLO: True})}
+            self.session.send(self.pub_thread, "stream", content, parent=self.parent_header, ident=self.topic)
+            return len(string)
         n = super().write(string)
         self._writes += 1
         return n

@@ -66,6 +66,10 @@ def join(req: Join) -> str:
         from dist_kernel.rank import lightning as lightning_integration
 
         lightning_integration.install()
+    if req.first and req.hf:
+        from dist_kernel.rank import hf
+
+        hf.install()
     return str(device)
 
 

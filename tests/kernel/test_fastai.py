@@ -177,7 +177,7 @@ def test_fastai_off_in_the_kernelspec_leaves_fastai_untouched():
     k = DistKernel("--ranks", "2", "--fastai", "off")
     try:
         res = k.execute("import sys, fastai.learner, fastai.data.external\n"
-                        "from dist_kernel.rank.imports import installed; print(installed('fastai'),"
+                        "from dist_kernel.rank.import_hook import installed; print(installed('fastai'),"
                         " hasattr(fastai.learner.Learner.fit, '__dist_kernel__'),"
                         " hasattr(fastai.data.external.untar_data, '__dist_kernel__'))", timeout=120)
         # the same on every rank (whether shown once, or labelled because the ranks drifted apart)

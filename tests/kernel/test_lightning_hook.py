@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from dist_kernel.rank import imports
+from dist_kernel.rank import import_hook
 from dist_kernel.rank import lightning as integration
 
 
@@ -20,9 +20,9 @@ def test_a_module_is_patched_when_imported_and_once_per_integration(tmp_path, mo
     seen: list[types.ModuleType] = []
     finders = list(sys.meta_path)
     try:
-        imports.patch_on_import("dk-test", {"dk_fake_lib": seen.append})
-        imports.patch_on_import("dk-test", {"dk_fake_lib": seen.append})  # a re-formed group: no second finder
-        assert imports.installed("dk-test") and not imports.installed("other")
+        import_hook.patch_on_import("dk-test", {"dk_fake_lib": seen.append})
+        import_hook.patch_on_import("dk-test", {"dk_fake_lib": seen.append})  # a re-formed group: no second finder
+        assert import_hook.installed("dk-test") and not import_hook.installed("other")
         mod = importlib.import_module("dk_fake_lib")
         assert seen == [mod] and mod.VALUE == 1
     finally:
@@ -62,9 +62,9 @@ def test_lightning_in_an_ipython_process_accepts_ddp_while_on_and_refuses_it_whi
         monkeypatch.setattr(accelerator_connector._IS_INTERACTIVE, "found", True)
         trainer = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False)
         assert type(trainer.strategy).__name__ == "DDPStrategy"
-        integration.set_enabled(False)
+        integration.switch.set(False)
         with pytest.raises(MisconfigurationException, match="not compatible with an interactive environment"):
             L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False)
     finally:
-        integration.set_enabled(True)
+        integration.switch.set(True)
         sys.meta_path[:] = finders

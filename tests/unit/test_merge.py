@@ -717,3 +717,29 @@ class TestDrift:
     def test_a_line_two_ranks_cut_at_different_places_still_merges(self):
         events = [say(0, 0, "50"), say(0.3, 0, "87\n"), say(0, 1, "508"), say(0.4, 1, "7\n"), say(0.5, 2, "5087\n")]
         assert streams(run_polled(CellMerger([0, 1, 2], W), events, end=2)) == "5087\n"
+
+
+def say_solo(t, rank, text, name="stdout"):
+    """A stream message a rank marked as its alone (``agent.solo_output(streams=True)``)."""
+    return (t, rank, "stream", {"name": name, "text": text, "metadata": {"dist_kernel": {"solo": True}}})
+
+
+class TestSoloStreams:
+    def test_text_only_rank_0_prints_but_marked_as_its_alone_shows_once_unlabelled_without_the_mark(self):
+        out = run(CellMerger([0, 1], W), [say(0, 0, "start\n"), say(0.01, 1, "start\n"),
+                                          say_solo(0.02, 0, "epoch 0: loss 0.5"), say_solo(0.03, 0, "\n"),
+                                          say(0.04, 0, "done\n"), say(0.05, 1, "done\n")])
+        assert streams(out) == "start\nepoch 0: loss 0.5\ndone\n"
+        assert all(set(c) == {"name", "text"} for t, c in out if t == "stream")
+
+    def test_unmarked_text_only_rank_0_prints_is_still_labelled(self):
+        out = run(CellMerger([0, 1], W), [say(0, 0, "mine\n")])
+        assert streams(out) == "[rank 0] mine\n"
+
+    def test_solo_text_keeps_its_place_among_the_ranks_own_output(self):
+        out = run(CellMerger([0, 1], W), [say(0, 0, "a\n"), say_solo(0.01, 0, "bar 100%\n"), say(0.02, 1, "a\n")])
+        assert streams(out) == "a\nbar 100%\n"
+
+    def test_in_a_one_rank_cell_the_mark_is_dropped_and_the_text_is_plain(self):
+        out = run(CellMerger([1], W), [say_solo(0, 1, "x\n")])
+        assert out == [("stream", {"name": "stdout", "text": "x\n"})]

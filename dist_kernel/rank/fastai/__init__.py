@@ -1,9 +1,9 @@
 """fastai integration: unchanged fastai notebooks train data-parallel on the kernel's ranks.
 
 Runs inside each rank. :func:`install` is called once, after the process group has formed,
-when the kernel's ``--fastai`` option is on. It imports nothing from fastai: it puts an
-import hook on ``sys.meta_path`` (:mod:`dist_kernel.rank.imports`) that patches each fastai
-module right after that module has executed.
+when the kernel's ``--fastai`` option is on. It imports nothing from fastai: an import hook
+(:mod:`dist_kernel.rank.import_hook`) patches each fastai module right after that module has
+executed.
 
 What gets patched, and why, lives in modules named by domain:
 
@@ -21,41 +21,14 @@ imports none of the others.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from types import ModuleType
-
-from dist_kernel.rank.fastai.state import dist_fastai
-from dist_kernel.rank.imports import patch_on_import
-
-
-def _patches() -> dict[str, Callable[[ModuleType], None]]:
-    """Per fastai module, one function applying every patch module's patches for it."""
-    from dist_kernel.rank.fastai import figures, files, training
-
-    by_module: dict[str, list[Callable[[ModuleType], None]]] = {}
-    for patches in (training.PATCHES, files.PATCHES, figures.PATCHES):
-        for name, patch in patches.items():
-            by_module.setdefault(name, []).append(patch)
-    return {name: _chain(fns) for name, fns in by_module.items()}
-
-
-def _chain(fns: list[Callable[[ModuleType], None]]) -> Callable[[ModuleType], None]:
-    def patch(mod: ModuleType) -> None:
-        for fn in fns:
-            fn(mod)
-
-    return patch
+from dist_kernel.rank import import_hook
+from dist_kernel.rank.fastai.state import switch
 
 
 def install() -> None:
     """Arrange for fastai to train data-parallel when (and only when) it is imported."""
-    patch_on_import("fastai", _patches())
-    _register_magic()
+    from dist_kernel.rank.fastai import figures, files, training
 
+    if import_hook.patch_on_import("fastai", import_hook.combine(training.PATCHES, files.PATCHES, figures.PATCHES)):
+        switch.register_magic()  # %dist_fastai on|off
 
-def _register_magic() -> None:
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    if shell is not None:
-        shell.register_magic_function(dist_fastai, "line", "dist_fastai")

@@ -46,23 +46,6 @@ def _figures() -> dict[Any, tuple]:
     return {f: (len(f.get_children()), tuple(len(ax.get_children()) for ax in f.axes)) for f in figs}
 
 
-@contextlib.contextmanager
-def _dropped_output() -> Iterator[None]:
-    """Nothing this rank displays while this is active reaches the frontend."""
-    from IPython import get_ipython
-
-    pub = getattr(get_ipython(), "display_pub", None)
-    if pub is None:
-        yield
-        return
-    original = pub.publish
-    pub.publish = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        pub.publish = original
-
-
 def _mark_figures_on_display() -> None:
     """Have the display formatter honour :data:`_owner`: a figure this rank owns displays marked
     solo, one another rank owns displays as nothing. Covers the inline backend's flush at the
@@ -76,7 +59,7 @@ def _mark_figures_on_display() -> None:
 
     def format(obj: Any, *args: Any, **kwargs: Any) -> tuple[dict, dict]:
         owned = _owner.get(obj) if _is_figure(obj) else None
-        if owned is None or not state.enabled:  # `%dist_fastai off`: as fastai alone shows it
+        if owned is None or not state.switch.enabled:  # `%dist_fastai off`: as fastai alone shows it
             return original(obj, *args, **kwargs)
         if not owned:
             return {}, {}  # display() and the displayhook publish nothing for empty data
@@ -99,7 +82,7 @@ def shown_once() -> Iterator[None]:
     if _depth or not state.active():
         yield
         return
-    from dist_kernel.rank.agent import solo_output
+    from dist_kernel.rank.agent import dropped_output, solo_output
 
     _depth += 1
     try:
@@ -107,7 +90,7 @@ def shown_once() -> Iterator[None]:
         _mark_figures_on_display()
         before = _figures()
         try:
-            with solo_output() if shows else _dropped_output():
+            with solo_output() if shows else dropped_output():
                 yield
         finally:  # a helper that raised half-way leaves a figure behind: it is marked too
             for fig, sig in _figures().items():

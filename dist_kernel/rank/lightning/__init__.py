@@ -2,7 +2,7 @@
 
 Runs inside each rank. :func:`install` is called once, after the process group has formed,
 when the kernel's ``--lightning`` option is on; it imports nothing from Lightning (an import
-hook, :mod:`dist_kernel.rank.imports`, patches its modules when a cell imports them).
+hook, :mod:`dist_kernel.rank.import_hook`, patches its modules when a cell imports them).
 
 What Lightning already gets right: the kernel sets ``LOCAL_RANK`` (and RANK, WORLD_SIZE,
 MASTER_ADDR) as torchrun does, so Lightning's ``LightningEnvironment`` says the processes were
@@ -31,11 +31,9 @@ from functools import wraps
 from types import ModuleType
 from typing import Any
 
-from dist_kernel.rank.imports import patch_on_import
-from dist_kernel.rank.switch import switch_magic
-
-#: the run-time switch (``%dist_lightning on|off``); the patches consult it on every use
-enabled: bool = True
+from dist_kernel.rank import import_hook
+from dist_kernel.rank.integration import in_group
+from dist_kernel.rank.integration import lightning as switch
 
 #: Lightning ships as ``lightning`` (lightning.pytorch) and as the older ``pytorch_lightning``
 _PACKAGES = (("lightning.pytorch", "lightning.fabric"), ("pytorch_lightning", "lightning_fabric"))
@@ -44,12 +42,9 @@ _LOOPS = ("fit", "validate", "test", "predict")
 
 
 def active() -> bool:
-    """True when the patches should act: switched on, inside a process group."""
-    if not enabled:
-        return False
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
+    """True when the patches should act: switched on (``%dist_lightning``, ``--lightning``),
+    inside a process group of any size (a 1-rank kernel is a torchrun of one, not a notebook)."""
+    return switch.enabled and in_group()
 
 
 class _Interactive:
@@ -145,20 +140,5 @@ def _patches() -> dict[str, Callable[[ModuleType], None]]:
 
 def install() -> None:
     """Arrange for Lightning to use the kernel's ranks when (and only when) it is imported."""
-    patch_on_import("lightning", _patches())
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    if shell is not None:
-        shell.register_magic_function(dist_lightning, "line", "dist_lightning")
-
-
-def set_enabled(on: bool) -> None:
-    """The switch, for the magic below and the parent's ``set_option`` request."""
-    global enabled
-    enabled = bool(on)
-
-
-def dist_lightning(line: str = "") -> None:
-    """``%dist_lightning on|off``: switch the Lightning integration; no argument shows the state."""
-    switch_magic(line, "Lightning", "dist_lightning", lambda: enabled, set_enabled)
+    if import_hook.patch_on_import("lightning", _patches()):
+        switch.register_magic()  # %dist_lightning on|off

@@ -1,0 +1,100 @@
+"""What every library integration inside a rank shares: its on/off switch, which rank shows
+what one process would show, and wrapping a library's function once.
+
+The integrations (:mod:`dist_kernel.rank.fastai`, :mod:`dist_kernel.rank.lightning`,
+:mod:`dist_kernel.rank.hf`) patch the library when it is imported
+(:mod:`dist_kernel.rank.import_hook`); the patched functions consult their :class:`Switch` on
+every call and pass straight through to the library while it is off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+
+class Switch:
+    """An integration's run-time switch, and the ``%dist_<name> on|off`` magic that flips it."""
+
+    def __init__(self, name: str, title: str) -> None:
+        self.name = name
+        self.title = title  # "fastai", "Hugging Face (accelerate, Transformers)"
+        self.enabled = True
+
+    def set(self, on: bool) -> None:
+        self.enabled = bool(on)
+
+    def active(self) -> bool:
+        """Should the patches act: switched on, and inside a group of 2 or more ranks?"""
+        return self.enabled and world_size() > 1
+
+    def magic(self, line: str = "") -> None:
+        """``%dist_<name> on|off``: switch the integration; no argument shows the state."""
+        arg = line.strip().lower()
+        if arg in ("on", "true", "1"):
+            self.set(True)
+        elif arg in ("off", "false", "0"):
+            self.set(False)
+        elif arg:
+            raise ValueError(f"%dist_{self.name} {line.strip()!r}: use `%dist_{self.name} on` or `%dist_{self.name} off`.")
+        print(f"dist_kernel {self.title} integration: {'on' if self.enabled else 'off'}")
+
+    def register_magic(self) -> None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            shell.register_magic_function(self.magic, "line", f"dist_{self.name}")
+
+
+# Every integration's switch lives here, so that an integration's package and the patch modules
+# it installs all read it without an import cycle, and the rank kernel's ``set_option`` finds it
+# by name without importing the integration.
+#: ``--fastai``, ``%dist_fastai``
+fastai = Switch("fastai", "fastai")
+#: ``--lightning``, ``%dist_lightning``
+lightning = Switch("lightning", "Lightning")
+#: ``--hf``, ``%dist_hf``
+hf = Switch("hf", "Hugging Face (accelerate, Transformers)")
+#: by the name the protocol's ``set_option`` uses (:data:`dist_kernel.protocol.OPTION_NAMES`)
+SWITCHES: dict[str, Switch] = {s.name: s for s in (fastai, lightning, hf)}
+
+
+def in_group() -> bool:
+    """Has the kernel formed this rank's process group (of any size)?"""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    """The group's size (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if in_group() else 1
+
+
+def rank() -> int:
+    """This process's rank in the group (0 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def shows_output() -> bool:
+    """Is this rank the one that shows what a single process would show once? The lowest rank
+    running the current cell: rank 0 usually, rank 1 in a ``%%rank 1`` cell."""
+    from dist_kernel.rank.agent import cell_ranks
+
+    return rank() == min(cell_ranks())
+
+
+def wrap_once(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Replace ``owner.name`` by ``make(original)``, unless that was done already."""
+    original = getattr(owner, name)
+    if getattr(original, "__dist_kernel__", False):
+        return
+    new = wraps(original)(make(original))
+    new.__dist_kernel__ = True
+    setattr(owner, name, new)
