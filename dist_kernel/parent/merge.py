@@ -11,8 +11,13 @@ the queues like a diff:
   so the saved notebook reads like a single-process run;
 - an item that differs, or that only some ranks produced, is published labelled with the
   ranks that produced it (``[rank 1] ...``, or ``[rank 0,2] ...`` for a subset);
-- an item waits at most ``window`` seconds for its twins from the other ranks, so output
-  stays live; each rank's own order is always kept; nothing is dropped.
+- items are aligned by sequence, not by the clock: the k-th item of a rank is the candidate
+  twin of the k-th item of the others (after the insertions a diff finds), however late it
+  arrives. An item waits for a rank that has not reached its place yet while that rank is
+  running the cell, has been silent for less than :data:`LAG_BOUND`, and has not kept giving
+  different items (:data:`DIVERGE_AFTER`); it waits for no rank that finished, is past its
+  place, or gave something else there; a rank alone is never delayed; memory bounds the wait
+  too (``max_pending``, ``max_bytes``). Each rank's own order is always kept; nothing is dropped.
 
 In a cell run by several ranks, a rank that calls ``clear_output`` on its own (the others
 have not reached the same point) or rewrites its line with ``\r`` (progress bars) would erase
@@ -62,6 +67,19 @@ _SMALL = 65_536  # bytes: items up to this size wait exactly the window, as they
 #: reply to say whether it is the cell's error (post-execute hooks, such as inline figures,
 #: publish between the cell's error and its reply)
 ERROR_HOLD = 1.0
+#: how long an item waits for a rank that has not reached its place yet and has been silent
+#: (no output in this cell) meanwhile: a rank that lags by less than this is merged, however far
+#: behind it is in items; a rank that printed nothing for this long is not waited for
+LAG_BOUND = 5.0
+#: a rank whose items differed from the others' at the same place this many times in a row is
+#: not waited for beyond the window, until its output matches again
+DIVERGE_AFTER = 4
+#: recently published items of each rank that had no twin, remembered by content so that a late
+#: twin re-aligns its rank (a lagging rank that gave one extra item is matched again at once)
+_RECENT = 4096
+#: bytes an item costs beyond its content, for the memory bound
+_ITEM_COST = 200
+_DUE, _DIFFERS = 1, 2  # CellMerger._due's answers besides 0 (wait)
 #: keys longer than this are kept as a digest (100,000 queued displays stay small)
 _KEY_DIGEST_ABOVE = 512
 
@@ -98,6 +116,8 @@ class _Item:
     held: bool = False  # an error item that may be the cell's own error: not published yet
     in_order: bool = False  # published as it is, in its place (see CellMerger.add_in_order)
     display_id: str | None = None
+    cr: bool = False  # a piece of a line rewritten with '\r' (a progress bar)
+    partial: bool = False  # the start of a line, published before its end came (it may be cut elsewhere)
 
 
 @dataclass
@@ -140,6 +160,40 @@ def _split_lines(text: str) -> tuple[list[str], str]:
     return [p + "\n" for p in parts[:-1]], parts[-1]
 
 
+_SEP = re.compile(r"\r\n|\r|\n")
+
+
+def split_units(text: str) -> tuple[list[tuple[str, bool]], str]:
+    """Split stream text with carriage returns into the units that ranks' twins are matched by,
+    each with whether it belongs to a rewritten line, and the unfinished rest.
+
+    The units do not depend on how the text was cut into messages (that depends on timing): a
+    ``\\r`` starts a unit (``\\r 34%``, as progress bars write it), the text before it is one, a
+    newline ending a rewritten line is one, and a ``\\r`` unit with text is complete where a
+    message ends (a bar writes each state in one write). Other lines end at their newline."""
+    units: list[tuple[str, bool]] = []
+    start = 0
+    for m in _SEP.finditer(text):
+        s, e = m.span()
+        if m.group() == "\r":
+            if s > start:
+                units.append((text[start:s], True))
+            start = s
+        elif text.startswith("\r", start):  # the newline that ends a rewritten line: its own unit
+            if s > start:
+                units.append((text[start:s], True))
+            units.append((m.group(), True))
+            start = e
+        else:
+            units.append((text[start:e], False))
+            start = e
+    rest = text[start:]
+    if len(rest) > 1 and rest.startswith("\r"):
+        units.append((rest, True))
+        rest = ""
+    return units, rest
+
+
 def _json_key(obj: object) -> str:
     return json.dumps(obj, sort_keys=True, default=str)
 
@@ -179,10 +233,13 @@ class CellMerger:
 
     ranks: Sequence[int]
     window: float = 0.1
-    max_pending: int = 20_000  # per rank; beyond it the oldest item is published labelled
+    max_pending: int = 250_000  # items per rank; beyond it the oldest item is published labelled
+    max_bytes: int = 256 * 2**20  # bytes held for all ranks; beyond it the oldest items are published
     errors: dict[int, dict] = field(default_factory=dict)
     rich_from: int | None = None  # output policy "rank0": rich output from this rank only
     displays: DisplayRegistry = field(default_factory=DisplayRegistry)  # the kernel's, to span cells
+    lag_bound: float = LAG_BOUND
+    diverge_after: int = DIVERGE_AFTER
 
     def __post_init__(self) -> None:
         self.ranks = tuple(self.ranks)
@@ -202,10 +259,22 @@ class CellMerger:
         # rank -> a whole stream chunk (name, text, arrival) not split into lines yet: when every
         # rank sends the same chunk, it is published once as it is (see _add_chunk)
         self._chunks: dict[int, tuple[str, str, float]] = {}
+        # alignment by sequence: the place of each rank's next item (items that were extras of the
+        # rank, as a diff sees them, take no place), when the rank last gave output, how often in
+        # a row its items differed from the others' at their place, and its recent twinless items
+        self._place: dict[int, int] = dict.fromkeys(self.ranks, 0)
+        self._heard: dict[int, float] = {}
+        self._start: float | None = None
+        self._streak: dict[int, int] = dict.fromkeys(self.ranks, 0)
+        self._recent: dict[int, OrderedDict[Hashable, int]] = {r: OrderedDict() for r in self.ranks}
+        self._bytes = 0
 
     # ----------------------------------------------------------------- input
     def add(self, rank: int, msg_type: str, content: dict, now: float) -> None:
         """Feed one IOPub output of ``rank``."""
+        self._heard[rank] = now
+        if self._start is None:
+            self._start = now
         if msg_type == "stream" and self._add_chunk(rank, content.get("name", "stdout"), content.get("text", ""), now):
             return
         if self._chunks:
@@ -229,6 +298,7 @@ class CellMerger:
         place among ``rank``'s outputs (an ipywidgets ``Output`` starting or stopping a
         capture: what the rank printed before must land before it). Errors the rank showed
         before it were survived: they are ordinary output."""
+        self._heard[rank] = now
         self._split_chunks(now)
         self._flush_partials(rank, now, force=True)
         for item in self._held[rank]:
@@ -250,6 +320,7 @@ class CellMerger:
         """``rank`` will send nothing more for this cell."""
         if rank not in self._chunks:  # its chunk, if any, still waits for its twins
             self._split_chunks(now)
+        self._drop_last_cr(rank)
         self._flush_partials(rank, now, force=True)
         self._resolve_errors(rank, final=True)
         self._done.add(rank)
@@ -257,10 +328,13 @@ class CellMerger:
 
     def poll(self, now: float) -> None:
         """Let waiting items and unfinished lines time out."""
+        if self._start is None:
+            self._start = now
         if self._chunks and any(now - t >= self._wait_size(len(text)) for _, text, t in self._chunks.values()):
             self._split_chunks(now)
         for (rank, _name), part in list(self._partials.items()):
-            if part.text and now - part.t >= self.window:
+            # a lone '\r' waits for the text that follows it (a progress bar's next state)
+            if part.text and part.text != "\r" and now - part.t >= self.window:
                 self._flush_partials(rank, now, force=True)
         for rank, held in self._held.items():
             # the rank printed more and ERROR_HOLD passed without its reply: it is still
@@ -274,6 +348,7 @@ class CellMerger:
         """The cell is over: publish everything still held."""
         self._split_chunks(now)
         for rank in self.ranks:
+            self._drop_last_cr(rank)
             self._flush_partials(rank, now, force=True)
             self._resolve_errors(rank, final=True)
             self._done.add(rank)
@@ -332,7 +407,9 @@ class CellMerger:
         when nothing of any rank is queued before it waits whole for the same chunk from the
         other ranks; when every rank has sent it, it is published once, never split into
         lines. False: the chunk takes the line-by-line path (anything waiting is split first)."""
+        place = self._place[rank]
         if (not text.endswith("\n") or rank in self._chunks or self._area_ranks or rank in self._done
+                or any(p != place for p in self._place.values())  # the ranks are not at one place
                 or any(self._queues[r] or self._partials_of(r) or (r in self._done and r not in self._chunks)
                        for r in self.ranks)):
             return False
@@ -343,6 +420,13 @@ class CellMerger:
             self._chunks.clear()
             self._emit(_Item("stream", None, {"name": name, "text": text}, now), None)
         return True
+
+    def _drop_last_cr(self, rank: int) -> None:
+        """A '\\r' that ends a rank's output, nothing written after it, changes nothing shown: it
+        is not published (alone, it would be an empty output of its own)."""
+        for (r, _), part in self._partials.items():
+            if r == rank and part.text == "\r":
+                part.text = ""
 
     def _partials_of(self, rank: int) -> bool:
         return any(p.text for (r, _), p in self._partials.items() if r == rank)
@@ -364,20 +448,30 @@ class CellMerger:
         part = self._partials.setdefault((rank, name), _Partial())
         if not part.text:
             part.t = now
-        lines, rest = _split_lines(part.text + text)
+        text = part.text + text
         t0 = part.t
-        for line in lines:
-            self._push(rank, _Item("stream", ("stream", name, line), {"name": name, "text": line}, t0, size=len(line)))
-            t0 = now
-        part.text, part.t = rest, (now if lines else part.t)
+        if "\r" in text:
+            units, rest = split_units(text)
+            for unit, cr in units:
+                self._push(rank, _Item("stream", ("stream", name, unit), {"name": name, "text": unit}, t0,
+                                       size=len(unit), cr=cr))
+                t0 = now
+        else:
+            lines, rest = _split_lines(text)
+            for line in lines:
+                self._push(rank, _Item("stream", ("stream", name, line), {"name": name, "text": line}, t0,
+                                       size=len(line)))
+                t0 = now
+            units = lines
+        part.text, part.t = rest, (now if units else part.t)
 
     def _flush_partials(self, rank: int, now: float, force: bool = False,
                         names: tuple[str, ...] = ("stdout", "stderr")) -> None:
         for name in names:
             part = self._partials.get((rank, name))
             if part and part.text and (force or now - part.t >= self.window):
-                self._push(rank, _Item("stream", ("stream", name, part.text),
-                                       {"name": name, "text": part.text}, part.t, size=len(part.text)))
+                self._push(rank, _Item("stream", ("stream", name, part.text), {"name": name, "text": part.text},
+                                       part.t, size=len(part.text), partial=True))
                 part.text = ""
 
     def _add_error(self, rank: int, content: dict, now: float) -> None:
@@ -438,9 +532,52 @@ class CellMerger:
                                display_id=display_id))
 
     def _push(self, rank: int, item: _Item) -> None:
-        self._queues[rank].append(item)
+        queue = self._queues[rank]
+        if not queue and len(self.ranks) > 1 and not item.in_order and not item.solo:
+            self._realign(rank, item.key)
+        queue.append(item)
+        self._count(rank, item)
+
+    def _count(self, rank: int, item: _Item) -> None:
         c = self._counts[rank]
         c[item.key] = c.get(item.key, 0) + 1
+        self._bytes += item.size + _ITEM_COST
+
+    def _cut_at_partials(self, live: list[int]) -> None:
+        """A line one rank published in two pieces (its end came after the window) is cut the
+        same way on the ranks that gave it whole, so that the pieces are twins."""
+        queues = self._queues
+        cut = next((queues[r][0] for r in live if queues[r][0].partial), None)
+        if cut is None:
+            return
+        name, text = cut.content["name"], cut.content["text"]
+        place = self._place[next(r for r in live if queues[r][0] is cut)]
+        for r in live:
+            head = queues[r][0]
+            whole = head.content.get("text", "") if head.kind == "stream" else ""
+            if (head.kind == "stream" and head.content["name"] == name and len(whole) > len(text)
+                    and whole.startswith(text) and self._place[r] == place):
+                queues[r].popleft()
+                self._uncount(r, head)
+                for piece, partial in ((whole[len(text):], head.partial), (text, False)):
+                    # the rest of a piece that was itself cut short may be cut again
+                    item = _Item("stream", ("stream", name, piece), {"name": name, "text": piece}, head.t,
+                                 size=len(piece), cr=head.cr, partial=partial)
+                    queues[r].appendleft(item)
+                    self._count(r, item)
+
+    def _realign(self, rank: int, key: Hashable) -> None:
+        """``rank``'s next item is the late twin of one another rank published without it: the
+        rank is at that item's place (it lagged, or gave an extra item before), and its output
+        matches again. Not when another rank has the same item queued: that is its twin."""
+        if any(key in c for c in self._counts.values()):
+            return
+        for other, recent in self._recent.items():
+            place = recent.get(key) if other != rank else None
+            if place is not None:
+                self._place[rank] = place
+                self._streak[rank] = self._streak[other] = 0
+                return
 
     def _remove(self, rank: int, item: _Item) -> None:
         queue = self._queues[rank]
@@ -456,9 +593,21 @@ class CellMerger:
         """How long ``item`` waits for its twins: the window, longer for large items."""
         return self.window + max(item.size - _SMALL, 0) / SIZE_RATE
 
-    def _pop(self, rank: int) -> _Item:
+    def _pop(self, rank: int, place: bool = True, shared: bool = False) -> _Item:
+        """The head item of ``rank``. ``place``: it took its place in the rank's sequence (False
+        for an extra item, as a diff sees it); ``shared``: published with a twin."""
         item = self._queues[rank].popleft()
         self._uncount(rank, item)
+        if place:
+            if shared:
+                self._recent[rank].pop(item.key, None)  # no longer a twinless item to re-align by
+            else:
+                recent = self._recent[rank]
+                recent[item.key] = self._place[rank]
+                recent.move_to_end(item.key)
+                if len(recent) > _RECENT:
+                    recent.popitem(last=False)
+            self._place[rank] += 1
         return item
 
     def _uncount(self, rank: int, item: _Item) -> None:
@@ -468,22 +617,33 @@ class CellMerger:
             c[item.key] = n
         else:
             del c[item.key]
+        self._bytes -= item.size + _ITEM_COST
 
-    def _pop_own_run(self, rank: int, now: float, force: bool) -> None:
+    def _shared(self, ranks: Iterable[int]) -> None:
+        """These ranks' outputs matched: their divergence streaks end."""
+        for r in ranks:
+            self._streak[r] = 0
+
+    def _pop_own_run(self, rank: int, now: float, final: bool) -> None:
         """Fast path for floods of rank-specific lines: publish, as one labelled piece, the due
         stream lines of ``rank`` that no other rank has queued."""
-        queue, others = self._queues[rank], [self._counts[q] for q in self.ranks if q != rank]
+        queue = self._queues[rank]
         name = queue[0].content["name"]
         texts: list[str] = []
+        cr = False
         while queue:
             item = queue[0]
-            if (item.kind != "stream" or item.content["name"] != name
-                    or not (force or now - item.t >= self._wait(item) or len(queue) > self.max_pending)
-                    or (texts and any(item.key in c for c in others))):
+            if item.kind != "stream" or item.content["name"] != name or item.held or (texts and any(
+                    item.key in self._counts[q] for q in self.ranks if q != rank)):
+                break  # an item with a twin queued is published with it, not in this run
+            due = self._due(rank, now, final)
+            if not due:
                 break
+            if due == _DIFFERS:
+                self._differed(rank)
+            cr = cr or item.cr
             texts.append(self._pop(rank).content["text"])
-        text = "".join(texts)
-        self._emit(_Item("stream", None, {"name": name, "text": text}, now), [rank])
+        self._emit(_Item("stream", None, {"name": name, "text": "".join(texts)}, now, cr=cr), [rank])
 
     def _pop_common_run(self) -> bool:
         """Fast path for floods: pop the run of items that every rank has, identical, at its head;
@@ -495,6 +655,7 @@ class CellMerger:
         texts: list[str] = []
         name = None
         done = 0
+        freed = 0
         while done < n:
             item = first[0]
             key = item.key
@@ -505,7 +666,7 @@ class CellMerger:
             name = item.content["name"]
             texts.append(item.content["text"])
             for q, c in zip(queues, counts, strict=True):
-                q.popleft()
+                freed += q.popleft().size + _ITEM_COST
                 k = c[key] - 1
                 if k:
                     c[key] = k
@@ -513,9 +674,55 @@ class CellMerger:
                     del c[key]
             done += 1
         if texts:
+            self._bytes -= freed
+            for r in self.ranks:
+                self._place[r] += done
+            self._shared(self.ranks)
             text = "".join(texts)
             self._emit(_Item("stream", None, {"name": name, "text": text}, 0.0), None)
         return done > 0
+
+    def _due(self, rank: int, now: float, final: bool) -> int:
+        """May ``rank``'s head item be published without the twins it lacks? 0: not yet (a rank
+        that may still give its twin is waited for); :data:`_DUE`; :data:`_DIFFERS`: yes, and a
+        rank gave a different item at its place."""
+        queue = self._queues[rank]
+        head = queue[0]
+        if final or len(queue) > self.max_pending or self._bytes > self.max_bytes:
+            return _DUE
+        place = self._place[rank]
+        differs = False
+        window = False  # only the window is left to wait: a twin may still come by chance
+        for q in self.ranks:
+            if q == rank:
+                continue
+            qq = self._queues[q]
+            if qq and qq[0].key == head.key and not qq[0].held:
+                continue  # its twin is at q's head: they are published together
+            if head.key in self._counts[q]:
+                return 0  # q queued a twin deeper: a match (or a held error's fate) decides
+            if q in self._done or self._place[q] > place:
+                continue  # q finished, or is past this place: its twin is gone
+            diverged = self._streak[q] >= self.diverge_after
+            if qq and not qq[0].held and (self._place[q] == place or diverged):
+                differs = True  # q gave something else here (or, diverged, gave something else now)
+                continue
+            silent = now - self._heard.get(q, self._start if self._start is not None else now)
+            if diverged or silent >= self.lag_bound + self._wait(head) - self.window:
+                window = True
+                continue
+            return 0  # q has not reached this place yet and may still give the twin
+        if window and now - head.t < self._wait(head):
+            return 0
+        return _DIFFERS if differs else _DUE
+
+    def _differed(self, rank: int) -> None:
+        """``rank``'s head differs from what the ranks at its place gave: one more for each streak."""
+        place, head = self._place[rank], self._queues[rank][0]
+        for q in self.ranks:
+            qq = self._queues[q]
+            if q == rank or (qq and self._place[q] == place and qq[0].key != head.key):
+                self._streak[q] += 1
 
     def _drain(self, now: float, final: bool = False) -> None:
         queues, parts = self._queues, self.ranks
@@ -524,47 +731,51 @@ class CellMerger:
             live = [r for r in parts if queues[r] and not queues[r][0].held]
             if not live:
                 return
-            solo = next((r for r in live if queues[r][0].solo), None)
-            if solo is not None:  # the one rank whose rich output is shown: as if all showed it
-                self._emit(self._pop(solo), None)
+            # output a rank marked as its own (rich_from, solo) or that only keeps its place
+            # among its outputs (in_order) is never matched: at once, taking no place
+            lone = next((r for r in live if queues[r][0].solo or queues[r][0].in_order), None)
+            if lone is not None:
+                self._emit(self._pop(lone, place=False), None)
                 continue
+            if len(live) > 1:
+                self._cut_at_partials(live)
             if len(live) == len(parts):
                 if len(parts) > 1 and not self._area_ranks and self._pop_common_run():
                     continue
                 key = queues[live[0]][0].key
                 if all(queues[r][0].key == key for r in live):
-                    items = [self._pop(r) for r in live]
+                    items = [self._pop(r, shared=True) for r in live]
+                    self._shared(live)
                     self._emit(items[0], None)
                     continue
                 if self._match_deeper(live):
                     continue
-            # every rank has a head, they differ and none is queued by all: waiting cannot help
-            hopeless = final or len(live) == len(parts) or any(r in self._done and not queues[r] for r in parts)
-            # a twin behind a held error is coming: it is released within ERROR_HOLD or at the reply
-            blocked = [self._counts[r] for r in parts if queues[r] and queues[r][0].held]
-            due = [r for r in live if final or len(queues[r]) > self.max_pending
-                   or ((hopeless or now - queues[r][0].t >= self._wait(queues[r][0]))
-                       and not any(queues[r][0].key in c for c in blocked))]
+            due = {r: d for r in live if (d := self._due(r, now, final))}
             if not due:
                 return
             # publish every due head, in rank order, twins among the live heads together
             popped: set[int] = set()
-            for r in due:
-                if r in popped:
+            for r in live:
+                if r not in due or r in popped:
                     continue
                 head = queues[r][0]
                 group = [q for q in live if q not in popped and queues[q][0].key == head.key]
                 if group == [r] and head.kind == "stream" and not self._area_ranks:
-                    self._pop_own_run(r, now, final or hopeless)
+                    self._pop_own_run(r, now, final)
                     popped.add(r)
                     continue
+                if len(group) == 1 and due[r] == _DIFFERS:
+                    self._differed(r)
                 for q in group:
-                    self._pop(q)
+                    self._pop(q, shared=len(group) > 1)
+                if len(group) > 1:
+                    self._shared(group)
                 popped.update(group)
                 self._emit(head, group)
 
     def _match_deeper(self, live: list[int]) -> bool:
-        """Find a head item that every rank has queued; publish what precedes it, labelled."""
+        """Find a head item that every rank has queued; publish what precedes it, labelled, as
+        items the ranks gave in addition (they take no place in the ranks' sequences)."""
         queues = self._queues
         if any(self._held.values()):
             return False  # what precedes it could be a held error
@@ -573,8 +784,9 @@ class CellMerger:
             if all(self._counts[q].get(key) for q in self.ranks):
                 for q in self.ranks:
                     while queues[q][0].key != key:
-                        self._emit(self._pop(q), [q])
-                items = [self._pop(q) for q in self.ranks]
+                        self._emit(self._pop(q, place=False), [q])
+                items = [self._pop(q, shared=True) for q in self.ranks]
+                self._shared(self.ranks)
                 self._emit(items[0], None)
                 return True
         return False
@@ -606,8 +818,8 @@ class CellMerger:
         if item.kind == "stream":
             text = item.content["text"]
             area = self._areas.get((lab, "text"))
-            progress = lab is not None and ("\r" in text.rstrip("\n") or (area is not None and area.text
-                                                                          and not area.text.endswith("\n")))
+            progress = lab is not None and (item.cr or "\r" in text.rstrip("\n") or (
+                area is not None and area.text and not area.text.endswith("\n")))
             if in_area or progress:
                 self._to_area(lab, group, "text", text)
             else:

@@ -61,8 +61,8 @@ def test_the_environment_fills_an_option_the_command_line_leaves_out(configured)
 
 @pytest.mark.slow
 def test_merge_window_ms_is_how_long_a_line_waits_for_the_same_line_of_the_other_ranks(configured):
-    # rank 1 prints half a second after rank 0: within 5 s the lines merge (with the default
-    # 100 ms they are shown labelled, "[rank 0] same line" and "[rank 1] same line")
+    # rank 1 prints half a second after rank 0: within 5 s the lines merge (since issue 19 they
+    # merge with the default 100 ms too: outputs are aligned by sequence, see merge.LAG_BOUND)
     k, _ = configured
     assert k.execute("import time\ntime.sleep(0.5 * rank)\nprint('same line')").stream() == "same line\n"
 

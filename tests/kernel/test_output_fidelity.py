@@ -163,7 +163,7 @@ def test_spill_files_live_in_the_kernels_runtime_directory_and_go_with_it():
     k = DistKernel("--ranks", "2")
     try:
         runtime = k.execute("import os\nprint(os.environ['DIST_KERNEL_RUNTIME_DIR'])").stream().strip()
-        res = k.execute("for i in range(200_000):\n    print(i)")
+        res = k.execute("for i in range(200_000):\n    print(i, 'x' * 50)")  # 11 MB: past the cap however well it merges
         path = spill_path(res.stream("stderr"))
         assert os.path.dirname(path) == runtime and os.path.exists(path)
     finally:
@@ -201,3 +201,91 @@ def test_a_burst_of_displays_arrives_once_each_or_is_saved_with_a_notice_and_the
         assert k.execute("print('responsive')").stream() == "responsive\n"
     finally:
         k.shutdown()
+
+
+# ------------------------------------------------- issue 19: ranks that drift apart
+@pytest.fixture(scope="module")
+def drift2():
+    yield from kernel_for_module("--ranks", "2")  # the default merge window: drift is not hidden by it
+
+
+@pytest.fixture(scope="module")
+def drift4():
+    yield from kernel_for_module("--ranks", "4")
+
+
+def lagging(lag: float, body: str) -> str:
+    """A cell whose rank 1 starts ``lag`` seconds after the others."""
+    return f"import time, sys\nif rank == 1:\n    time.sleep({lag})\n{body}"
+
+
+def shown_and_spilled(res: Result, name: str = "stdout") -> tuple[list[str], list[str]]:
+    """The outputs' texts shown live (before the kernel's notes) and those saved in the spill file."""
+    notes = res.stream("stderr")
+    live: list[str] = []
+    for o in res.outputs:
+        if o.msg_type == "stream" and o.content["name"] == "stderr" and "saved in full to " in o.content["text"]:
+            break  # what follows the spill note is in the file (and the cell's tail, repeated from it)
+        if o.msg_type == "display_data" or (o.msg_type == "stream" and o.content["name"] == name):
+            live.append(o.text)
+    if "saved in full to " not in notes:
+        return live, []
+    with open(spill_path(notes)) as f:
+        return live, [line for line in f if line.strip()]
+
+
+@pytest.mark.parametrize("lag", [0.5, 2.0])
+@pytest.mark.parametrize("fixture", ["drift2", "drift4"])
+def test_identical_displays_of_a_lagging_rank_show_once_each_unlabelled(request, fixture, lag):
+    k = request.getfixturevalue(fixture)
+    quiet(MSG_BURST / 200 + 0.5)  # the message budget refills
+    res = k.execute(lagging(lag, "for i in range(3000):\n    display(i)"), timeout=300)
+    assert res.status == "ok"
+    live, saved = shown_and_spilled(res)
+    assert not [t for t in live + saved if "[rank" in t]
+    assert [int(t) for t in live] + [int(t) for t in saved] == list(range(3000))  # once each, in order
+
+
+@pytest.mark.parametrize("lag", [0.5, 2.0])
+@pytest.mark.parametrize("fixture", ["drift2", "drift4"])
+def test_identical_flushed_prints_of_a_lagging_rank_show_once_each_unlabelled(request, fixture, lag):
+    k = request.getfixturevalue(fixture)
+    quiet()
+    res = k.execute(lagging(lag, "for i in range(100_000):\n    print(i, flush=True)"), timeout=300)
+    assert res.status == "ok"
+    live, saved = shown_and_spilled(res)
+    text = "".join(live) + "".join(saved)
+    assert "[rank" not in text and text == "".join(f"{i}\n" for i in range(100_000))
+
+
+@pytest.mark.parametrize("fixture", ["drift2", "drift4"])
+def test_lines_that_differ_between_lagging_ranks_are_labelled_and_identical_ones_are_not(request, fixture):
+    k = request.getfixturevalue(fixture)
+    n = 2 if fixture == "drift2" else 4
+    quiet()
+    res = k.execute(lagging(0.5, "for i in range(500):\n    print(i)\n    print(f'rank {rank} at {i}')"))
+    lines = res.stream().splitlines()
+    assert [line for line in lines if not line.startswith("[rank")] == [str(i) for i in range(500)]
+    for r in range(n):  # each rank's own lines, labelled with it, in its order
+        assert [line for line in lines if line.startswith(f"[rank {r}]")] == [
+            f"[rank {r}] rank {r} at {i}" for i in range(500)]
+
+
+def test_a_line_only_rank_0_prints_keeps_its_place_between_lagging_twins(drift2):
+    res = drift2.execute(lagging(0.5, "print('a')\nif rank == 0:\n    print('only rank 0')\nprint('b')"))
+    assert res.stream() == "a\n[rank 0] only rank 0\nb\n"
+
+
+def test_identical_carriage_return_progress_of_a_lagging_rank_is_one_line(drift2):
+    res = drift2.execute(lagging(0.5, "for i in range(40):\n    sys.stdout.write(f'\\r{i}%')\n"
+                                      "    sys.stdout.flush()\n    time.sleep(0.01)\nprint()"))
+    assert [o.msg_type for o in res.outputs] == ["stream"] * len(res.outputs)  # no per-rank displays
+    assert "[rank" not in res.stream() and shown(res) == res.stream()
+    assert res.stream().rsplit("\r", 1)[-1] == "39%\n"
+
+
+def test_an_identical_display_with_an_id_and_its_update_show_once_when_a_rank_lags(drift2):
+    res = drift2.execute(lagging(0.5, "from IPython.display import update_display\n"
+                                      "display('same', display_id='d19')\nupdate_display('updated', display_id='d19')"))
+    assert [(o.msg_type, o.text) for o in res.outputs] == [("display_data", "'same'"),
+                                                          ("update_display_data", "'updated'")]

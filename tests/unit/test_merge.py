@@ -6,9 +6,18 @@ import os
 import random
 import re
 
+import pytest
 from harness import visible
 
-from dist_kernel.parent.merge import ERROR_HOLD, CellMerger, DisplayRegistry, merge_errors, namespaced_display_id
+from dist_kernel.parent.merge import (
+    ERROR_HOLD,
+    LAG_BOUND,
+    CellMerger,
+    DisplayRegistry,
+    merge_errors,
+    namespaced_display_id,
+    render_cr,
+)
 
 W = 0.1  # merge window used throughout
 
@@ -73,13 +82,27 @@ class TestStreams:
         assert streams(out, "stdout") == "out\n"
         assert streams(out, "stderr") == "err\n"
 
-    def test_a_line_waits_at_most_the_window_for_its_twins(self):
+    def test_a_line_waits_for_a_silent_rank_at_most_the_lag_bound(self):
         m = CellMerger([0, 1], W)
         m.add(0, "stream", {"name": "stdout", "text": "early\n"}, 0.0)
-        m.poll(0.05)
-        assert m.take() == []
-        m.poll(0.1)
+        m.poll(LAG_BOUND - 0.01)
+        assert m.take() == []  # rank 1 may be running late: its twin is waited for
+        m.poll(LAG_BOUND)
         assert streams(m.take()) == "[rank 0] early\n"
+
+    def test_a_line_that_differs_from_another_ranks_line_at_its_place_is_shown_at_once(self):
+        m = CellMerger([0, 1], W)
+        for now, rank, text in [(0, 1, "a\n"), (0, 1, "b\n"), (0.5, 0, "a\n"), (0.9, 0, "c\n")]:
+            m.poll(now)
+            m.add(rank, "stream", {"name": "stdout", "text": text}, now)
+        assert streams(m.take()) == "a\n[rank 0] c\n[rank 1] b\n"  # at 0.9, not a window later
+
+    def test_a_late_twin_of_a_line_already_shown_is_shown_at_once(self):
+        m = CellMerger([0, 1], W)
+        m.add(0, "stream", {"name": "stdout", "text": "a\nb\n"}, 0.0)
+        m.poll(LAG_BOUND)  # rank 1 silent for the lag bound: not waited for
+        m.add(1, "stream", {"name": "stdout", "text": "a\n"}, LAG_BOUND + 1)  # rank 0 is past it
+        assert streams(m.take()) == "[rank 0] a\n[rank 0] b\n[rank 1] a\n"
 
     def test_a_single_rank_cell_is_never_labelled_nor_delayed(self):
         m = CellMerger([1], W)
@@ -101,11 +124,13 @@ class TestStreams:
         assert streams(out) == ""
         assert final_displays(out) == {"[rank 0] 50%", "[rank 1] 30%"}
 
-    def test_a_finished_rank_does_not_hold_back_the_others(self):
-        m = CellMerger([0, 1], W)
-        m.rank_done(1, 0.0)
+    @pytest.mark.parametrize("n", [2, 3])
+    def test_a_rank_left_alone_by_finished_ranks_is_never_delayed(self, n):
+        m = CellMerger(range(n), W)
+        for r in range(1, n):
+            m.rank_done(r, 0.0)
         m.add(0, "stream", {"name": "stdout", "text": "late\n"}, 0.01)
-        assert streams(m.take()) == "[rank 0] late\n"
+        assert streams(m.take()) == "[rank 0] late\n"  # at once, not a window or a lag bound later
 
     def test_output_is_bounded_when_one_rank_floods(self):
         m = CellMerger([0, 1], W, max_pending=100)
@@ -317,8 +342,12 @@ class TestDisplayIds:
         assert {c["transient"]["display_id"] for _, c in out} == {"d"}
         assert visible(out) == "[rank 0] loss 0\n[rank 1] loss 1\n"
 
-    def test_a_twin_that_comes_after_the_window_joins_the_display_instead_of_adding_one(self):
-        out = run(CellMerger([0, 1], W), [disp(0, 0, "fig", "d"), disp(0.5, 1, "fig", "d")])
+    def test_a_twin_that_comes_late_is_the_same_display(self):
+        out = run(CellMerger([0, 1], W), [disp(0, 0, "fig", "d"), disp(2.0, 1, "fig", "d")])
+        assert kinds(out) == ["display_data"] and visible(out) == "fig\n"
+
+    def test_a_twin_that_comes_after_the_lag_bound_joins_the_display_instead_of_adding_one(self):
+        out = run(CellMerger([0, 1], W), [disp(0, 0, "fig", "d"), disp(LAG_BOUND + 0.5, 1, "fig", "d")])
         assert kinds(out) == ["display_data", "update_display_data"]
         assert visible(out) == "fig\n"  # labelled "[rank 0]" for a moment, then everyone's
 
@@ -358,9 +387,9 @@ class TestLargeOutputs:
     def test_a_large_output_only_one_rank_shows_is_published_once_its_wait_is_over(self):
         m = CellMerger([0, 1], W)
         m.add(0, "display_data", {"data": {"text/plain": "x" * 1_000_000}, "metadata": {}}, 0.0)
-        m.poll(0.15)
-        assert m.take() == []  # 0.1 s + 1 MB at 10 MB/s = 0.2 s
-        m.poll(0.25)
+        m.poll(LAG_BOUND + 0.05)
+        assert m.take() == []  # rank 1 silent for the lag bound + 1 MB at 10 MB/s
+        m.poll(LAG_BOUND + 0.15)
         assert kinds(m.take()) == ["display_data"]
 
     def test_100k_identical_displays_per_rank_merge_in_linear_time(self):
@@ -543,3 +572,148 @@ class TestOutputBudget:
         th.publish("stream", {"name": "stdout", "text": "start\n10%\r20%\r30%\ndone\n"})
         th.close()
         assert shown[-1][1]["text"] == "start\n10%\r20%\r30%\ndone\n"
+
+
+# ------------------------------------------------- issue 19: ranks that drift apart
+def drift(texts: dict[int, list[str]], start: dict[int, float], step: dict[int, float],
+          pause: tuple[int, int, float] | None = None):
+    """Stream events: rank r prints its texts from ``start[r]``, one every ``step[r]`` seconds;
+    ``pause`` (rank, index, seconds): that rank stalls before that text."""
+    events = []
+    for r, lines in texts.items():
+        t = start[r]
+        for i, line in enumerate(lines):
+            if pause and pause[:2] == (r, i):
+                t += pause[2]
+            events.append(say(t, r, line))
+            t += step[r]
+    return events
+
+
+def per_rank(text: str, ranks) -> dict[int, list[str]]:
+    """What each rank printed, read back from merged output (unlabelled lines belong to all)."""
+    out = {r: [] for r in ranks}
+    for line in text.splitlines(keepends=True):
+        m = re.match(r"\[rank ([\d,-]+)\] (.*)", line, re.S)
+        for r in _expand(m.group(1)) if m else ranks:
+            out[r].append(m.group(2) if m else line)
+    return out
+
+
+def run_polled(merger: CellMerger, events, end: float, tick: float = 0.05):
+    """As ``run``, with the parent's poll every ``tick`` between events too."""
+    ticks = [(i * tick, None, None, None) for i in range(int(end / tick))]
+    out = []
+    for now, rank, msg_type, content in sorted(events + ticks, key=lambda e: e[0]):
+        merger.poll(now)
+        if rank is not None:
+            merger.add(rank, msg_type, content, now)
+        out += merger.take()
+    for r in merger.ranks:
+        merger.rank_done(r, end)
+    merger.finish(end)
+    return out + merger.take()
+
+
+LINES = [f"step {i}\n" for i in range(300)]
+
+
+class TestDrift:
+    @pytest.mark.parametrize("lag", [0.5, 2.0])
+    @pytest.mark.parametrize("n", [2, 4, 8])
+    def test_identical_lines_of_a_rank_that_lags_by_a_fixed_time_show_once(self, n, lag):
+        events = drift({r: LINES for r in range(n)}, {r: lag if r == 1 else 0.0 for r in range(n)},
+                       dict.fromkeys(range(n), 0.001))
+        assert streams(run_polled(CellMerger(range(n), W), events, end=lag + 2)) == "".join(LINES)
+
+    def test_identical_lines_of_a_rank_falling_further_and_further_behind_show_once(self):
+        events = drift({0: LINES, 1: LINES}, {0: 0.0, 1: 0.0}, {0: 0.001, 1: 0.011})  # 3 s behind at the end
+        assert streams(run_polled(CellMerger([0, 1], W), events, end=5)) == "".join(LINES)
+
+    def test_a_burst_from_one_rank_merges_with_the_other_ranks_slower_lines(self):
+        events = drift({0: LINES, 1: LINES}, {0: 0.0, 1: 0.0}, {0: 0.0, 1: 0.005})  # all of rank 0 at once
+        assert streams(run_polled(CellMerger([0, 1], W), events, end=3)) == "".join(LINES)
+
+    def test_a_rank_that_stalls_and_catches_up_is_merged(self):
+        events = drift({0: LINES, 1: LINES}, {0: 0.0, 1: 0.0}, {0: 0.002, 1: 0.001}, pause=(1, 100, 1.5))
+        assert streams(run_polled(CellMerger([0, 1], W), events, end=4)) == "".join(LINES)
+
+    def test_a_rank_that_stalls_past_the_lag_bound_is_labelled_then_merged_again_with_nothing_lost(self):
+        events = drift({0: LINES, 1: LINES}, {0: 0.0, 1: 0.0}, {0: 0.01, 1: 0.001},
+                       pause=(1, 100, LAG_BOUND + 1))
+        text = streams(run_polled(CellMerger([0, 1], W), events, end=LAG_BOUND + 6))
+        assert per_rank(text, [0, 1]) == {0: LINES, 1: LINES}
+        assert "[rank" in text and text.endswith("step 299\n")  # merged again by the end
+
+    def test_a_lagging_rank_with_an_extra_line_is_matched_again_after_it(self):
+        events = drift({0: LINES[:50], 1: ["rank 1 only\n", *LINES[:50]]}, {0: 0.0, 1: 0.5},
+                       {0: 0.001, 1: 0.02})
+        text = streams(run_polled(CellMerger([0, 1], W), events, end=3))
+        assert per_rank(text, [0, 1]) == {0: LINES[:50], 1: ["rank 1 only\n", *LINES[:50]]}
+        assert text.count("[rank") <= 3  # the extra line, and at most one line on each side
+
+    def test_lines_that_differ_on_every_rank_are_not_held_once_the_ranks_diverge(self):
+        texts = {r: [f"rank {r} step {i}\n" for i in range(100)] for r in (0, 1)}
+        events = drift(texts, {0: 0.0, 1: 1.0}, {0: 0.01, 1: 0.01})
+        m = CellMerger([0, 1], W)
+        shown_at = {}
+        for now, rank, t, c in sorted(events, key=lambda e: e[0]):
+            m.poll(now)
+            m.add(rank, t, c, now)
+            for line in streams(m.take()).splitlines():
+                shown_at[line] = now
+        # rank 0's last line is shown within the window, not a second later with rank 1's
+        assert shown_at["[rank 0] rank 0 step 99"] <= 0.99 + W + 0.05
+        m.finish(3)
+        assert per_rank("\n".join(shown_at) + "\n" + streams(m.take()), [0, 1]) == texts
+
+    def test_identical_carriage_return_progress_that_drifts_is_one_line(self):
+        def bar(r):
+            return [say(0.3 * r + 0.02 * i, r, f"\r{i}%") for i in range(40)] + [say(0.3 * r + 0.8, r, "\n")]
+        out = run_polled(CellMerger([0, 1], W), bar(0) + bar(1), end=2)
+        assert "[rank" not in streams(out) and final_displays(out) == set()
+        assert render_cr(streams(out)) == "39%\n"
+
+    def test_progress_units_do_not_depend_on_how_the_text_was_cut_into_messages(self):
+        whole = "start\n\r1%\r2%\r3%\ndone\n"
+        pieces = ["start\n", "\r1%", "\r", "2%", "\r3%", "\n", "done\n"]
+        events = [say(0, 0, whole)] + [say(0.5 + 0.01 * i, 1, p) for i, p in enumerate(pieces)]
+        assert streams(run_polled(CellMerger([0, 1], W), events, end=2)) == "start\n\r1%\r2%\r3%\ndone\n"
+
+    def test_an_identical_display_with_an_id_and_its_update_show_once_when_a_rank_lags(self):
+        events = [disp(0.5 * r, r, "same", "d") for r in (0, 1)] + [
+            disp(0.05 + 0.5 * r, r, "updated", "d", "update_display_data") for r in (0, 1)]
+        out = run_polled(CellMerger([0, 1], W), events, end=2)
+        assert [(t, c["data"]["text/plain"]) for t, c in out] == [
+            ("display_data", "same"), ("update_display_data", "updated")]
+
+    def test_3000_identical_displays_of_a_lagging_rank_show_once(self):
+        events = [(0.0005 * i + (0.5 if r else 0), r, "display_data", {"data": {"text/plain": str(i)}, "metadata": {}})
+                  for r in (0, 1) for i in range(3000)]
+        out = run_polled(CellMerger([0, 1], W), events, end=3)
+        assert [c["data"]["text/plain"] for _, c in out] == [str(i) for i in range(3000)]
+
+    def test_a_flood_held_for_a_lagging_rank_is_bounded_in_memory(self):
+        m = CellMerger([0, 1], W, max_bytes=100_000)
+        for i in range(10_000):
+            m.add(0, "stream", {"name": "stdout", "text": f"{i}\n"}, 0.0)
+        assert m.pending * 200 <= 100_000 + 1_000
+        m.finish(1)
+        assert per_rank(streams(m.take()), [0, 1])[0] == [f"{i}\n" for i in range(10_000)]
+
+    def test_a_line_one_rank_sent_in_two_pieces_still_merges_with_its_whole_twins(self):
+        events = [say(0, 0, "5087"), say(0.3, 0, "\n5088\n")] + [say(0.5, r, "5087\n5088\n") for r in (1, 2)]
+        text = streams(run_polled(CellMerger([0, 1, 2], W), events, end=2))
+        assert text == "5087\n5088\n"
+
+    def test_identical_lines_between_differing_ones_of_a_lagging_rank_show_once(self):
+        def lines(r, a, b):
+            return "".join(f"{i}\nrank {r} at {i}\n" for i in range(a, b))
+        events = [say(0.001 * k + 0.5 * r, r, lines(r, k, k + 50)) for r in (0, 1) for k in range(0, 500, 50)]
+        text = streams(run_polled(CellMerger([0, 1], W), events, end=3))
+        assert [line for line in text.splitlines() if not line.startswith("[rank")] == [str(i) for i in range(500)]
+        assert per_rank(text, [0, 1]) == {r: lines(r, 0, 500).splitlines(keepends=True) for r in (0, 1)}
+
+    def test_a_line_two_ranks_cut_at_different_places_still_merges(self):
+        events = [say(0, 0, "50"), say(0.3, 0, "87\n"), say(0, 1, "508"), say(0.4, 1, "7\n"), say(0.5, 2, "5087\n")]
+        assert streams(run_polled(CellMerger([0, 1, 2], W), events, end=2)) == "5087\n"
