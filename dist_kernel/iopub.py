@@ -27,6 +27,8 @@ class UnboundedIOPubApp(IPKernelApp):
         if levels and self.log.level < min(levels):
             self.log.setLevel(min(levels))
 
+    # a copy of IPKernelApp.init_iopub using its private _apply_curve_server_options and _bind_socket:
+    # written for ipykernel 7.4 (pyproject caps it below 8)
     def init_iopub(self, context: zmq.Context) -> None:
         # ipykernel's own init_iopub (7.x), with the mark set before the socket binds
         self.iopub_socket = context.socket(zmq.XPUB)

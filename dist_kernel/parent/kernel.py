@@ -62,6 +62,7 @@ class DistributedKernel(Kernel):
     help_links = [{"text": "dist_kernel", "url": "https://pypi.org/project/dist-kernel/"}]
 
     dist_config = AnyTrait(None)  # KernelConfig, or the ConfigError found at launch
+    # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
     _execute_sleep = 0.0  # the base class sleeps 0.5 ms per reply, blocking the event loop
     # comms (widgets, tqdm.notebook) are not in the base Kernel's message types
     msg_types = [*Kernel.msg_types, "comm_open", "comm_msg", "comm_close"]
@@ -188,6 +189,7 @@ class DistributedKernel(Kernel):
         # re-signed with the parent's session (frontends ignore a foreign header.session)
         if self._held:  # without taking its lock: this runs for every output
             self._held.release()
+        # _topic: private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
         self.session.send(self.iopub_socket, msg_type, content, parent=parent, ident=self._topic(msg_type),
                           metadata=metadata, buffers=buffers)
 
@@ -240,6 +242,7 @@ class DistributedKernel(Kernel):
         # the cell's ranks travel along: rank-side code (fastai's show_batch) shows what one
         # process would show once, from the cell's first rank
         meta = with_meta({"cellId": cell_id} if cell_id else {}, {META_RANKS: list(plan.ranks)})
+        # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
         ident = self._get_shell_context_var(self._shell_parent_ident)
         self._stdin = InputBroker(lambda prompt, pw: self._ask_frontend(prompt, pw, ident, parent),
                                   ranks.reply_input) if allow_stdin else None
@@ -307,6 +310,7 @@ class DistributedKernel(Kernel):
     async def _ask_frontend(self, prompt: str, password: bool, ident: Any, parent: dict) -> str:
         """One input_request to the frontend, answered off the event loop (the base call blocks)."""
         loop = asyncio.get_running_loop()
+        # _input_request: private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
         return await loop.run_in_executor(None, lambda: self._input_request(prompt, ident, parent, password))
 
     # -------------------------------------------------------------- comms
@@ -349,10 +353,12 @@ class DistributedKernel(Kernel):
         return None
 
     # ---------------------------------------------------------- control
+    # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
     def _publish_execute_input(self, code: str, parent: dict, execution_count: int) -> None:
         if not self._held.hold_input(code, parent, execution_count):  # held: it follows the busy
             super()._publish_execute_input(code, parent, execution_count)
 
+    # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
     def _publish_status(self, status: str, channel: str, parent: dict | None = None) -> None:
         if channel == "shell" and parent is None and threading.current_thread() is threading.main_thread():
             if status == "busy" and self.get_parent("shell").get("header", {}).get("msg_type") == "execute_request":
@@ -413,6 +419,7 @@ class DistributedKernel(Kernel):
             return
         await run.stop()
 
+    # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
     def _abort_queues(self, subshell_id: str | None = None) -> None:
         """After an error, abort the execute requests that had already arrived (Run All), and no
         other. ipykernel clears its flag two turns of the loop later; since replies go out at
@@ -512,6 +519,7 @@ class DistributedKernelApp(UnboundedIOPubApp):
     def init_control(self, context: Any) -> None:
         super().init_control(context)
         # no subshells: shell messages are handled on the main loop, where the rank clients live
+        # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
         self.shell_channel_thread = None
 
     def init_signal(self) -> None:

@@ -58,6 +58,7 @@ class RankKernel(IPythonKernel):
     """One rank; see the module docstring."""
 
     implementation = "dist_kernel.rank"
+    # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
     _execute_sleep = 0.0  # the base class sleeps 0.5 ms before each reply; the parent counts messages instead
     compiler_class = SharedNameCompiler
     control_msg_types = [*IPythonKernel.control_msg_types, protocol.REQUEST]
@@ -204,9 +205,11 @@ class RankKernel(IPythonKernel):
     # Only the parent reads a rank's IOPub, and it needs neither the echo of the code it sent
     # nor "busy": not sending them halves the messages a cell costs (issue 14). "idle" stays
     # for every request but a counted cell: it tells the parent a request's output is complete.
+    # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
     def _publish_execute_input(self, code: str, parent: dict, execution_count: int) -> None:
         return
 
+    # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
     def _publish_status(self, status: str, channel: str, parent: dict | None = None) -> None:
         if status == "busy":
             return
@@ -312,6 +315,7 @@ class RankOutStream(OutStream):
         self._writes += 1
         return n
 
+    # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
     def _flush(self) -> None:
         seen = self._writes
         super()._flush()
@@ -335,6 +339,7 @@ class RankKernelApp(UnboundedIOPubApp):
         # no subshells: only the parent talks to a rank, and it never asks for one. Without the
         # shell channel thread each shell request reaches the main thread directly instead of
         # through a second thread and an inproc socket (a quarter of a rank's CPU per cell)
+        # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
         self.shell_channel_thread = None
 
 
