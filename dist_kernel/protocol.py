@@ -40,6 +40,9 @@ REPLY = "dist_reply"
 META = "dist_kernel"
 #: execute_request, parent -> rank: the ranks that run the cell (a list of int)
 META_RANKS = "ranks"
+#: execute_request and forwarded comm messages, parent -> rank: the frontend request's msg_id, the
+#: same on every rank (comms a rank opens for it are named after it: see dist_kernel.rank.widgets)
+META_CELL = "cell"
 #: execute_reply, rank -> parent: how many IOPub messages the cell published before its reply
 META_IOPUB = "iopub"
 #: execute_reply, rank -> parent: the cell's error broke the process group (true)

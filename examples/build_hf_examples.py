@@ -122,7 +122,7 @@ ACCELERATE = [
         "Notebooks written for one machine wrap their training in a function and hand it to "
         "`notebook_launcher`, which forks worker processes. Here the ranks already are those processes: "
         "the call runs the function once on every rank, in the existing group, and returns when all are "
-        "done. (`%dist_accelerate off` gives accelerate's own launcher back.)"),
+        "done. (`%dist_hf off` gives accelerate's own launcher back.)"),
     kernel_only(
         "def training_function(epochs):\n"
         "    accelerator = Accelerator()\n"

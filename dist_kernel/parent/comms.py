@@ -1,7 +1,17 @@
 """Comms (ipywidgets, ``tqdm.notebook``) between the frontend and the ranks.
 
-A comm lives in one rank. Messages from the frontend go to the rank that owns the comm (rank
-0 for a comm the frontend opens); messages from a rank go to the frontend as they are.
+A comm lives in the ranks that opened it. Ranks name the comms they open after the cell and
+what the comm opens with (:mod:`dist_kernel.rank.widgets`), so a widget that every rank creates
+the same way is one comm with the same id on each of them: the frontend sees one widget.
+
+- **Rank to frontend.** The first ``comm_open`` of an id is relayed; the same id opened by more
+  ranks adds them to the comm's owners and is not relayed again. The owner that opened it first
+  leads: its ``comm_msg`` and ``comm_close`` are relayed, the others' (the same state changes,
+  made again on each rank) are not, since the frontend can show one state per widget. A comm
+  opened by one rank only (a widget that differs between ranks) has that rank alone as owner.
+- **Frontend to rank.** A message for a comm goes to every rank that owns it, so moving a shared
+  slider changes the value on every rank; a comm the frontend opens goes to rank 0. What the
+  owners' callbacks print is merged as a cell's output is (:class:`CellRun` without sending).
 
 One translation is needed: an ipywidgets ``Output`` widget captures output by message id.
 Its state holds the ``msg_id`` of the request it captures for, and the frontend routes into
@@ -15,10 +25,11 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dist_kernel.exceptions import RankDiedError
 from dist_kernel.parent.merge import label_lines
+from dist_kernel.protocol import META_CELL, with_meta
 
 if TYPE_CHECKING:
     from dist_kernel.parent.ranks import Ranks
@@ -34,13 +45,27 @@ OUTPUT_TYPES = {"stream", "display_data", "execute_result", "update_display_data
 Publish = Callable[[dict, str, dict, "dict | None", "list | None"], None]
 
 
-class CommRouter:
-    """Tracks which rank owns each comm, translates Output widgets' message ids, and carries
-    comm messages both ways: rank to frontend (:meth:`relay`), frontend to rank (:meth:`forward`)."""
+class CallbackRun(Protocol):
+    """What merges the output of one frontend comm message on several ranks (a ``CellRun``
+    that sends nothing)."""
 
-    def __init__(self, publish: Publish | None = None) -> None:
+    def on_iopub(self, rank: int, msg: dict) -> None: ...
+    def on_reply(self, rank: int, content: dict, metadata: dict | None = None) -> None: ...
+    async def wait(self) -> dict | None: ...
+
+
+#: (the owner ranks, the frontend's comm message) -> the run that merges what they print
+MergedRun = Callable[[list[int], dict], CallbackRun]
+
+
+class CommRouter:
+    """Tracks which ranks own each comm, translates Output widgets' message ids, and carries
+    comm messages both ways: rank to frontend (:meth:`relay`), frontend to ranks (:meth:`forward`)."""
+
+    def __init__(self, publish: Publish | None = None, merged: MergedRun | None = None) -> None:
         self.publish = publish or (lambda parent, msg_type, content, metadata, buffers: None)
-        self.owner: dict[str, int] = {}  # comm_id -> the rank that holds the comm
+        self.merged = merged  # makes the run that merges the output of a callback on several ranks
+        self.owners: dict[str, list[int]] = {}  # comm_id -> the ranks that hold it; the first leads
         self._frontend_id: OrderedDict[str, str] = OrderedDict()  # id sent to a rank -> frontend id
 
     def sent(self, child_msg_id: str, frontend_msg_id: str) -> None:
@@ -49,21 +74,32 @@ class CommRouter:
         while len(self._frontend_id) > _RECENT:
             self._frontend_id.popitem(last=False)
 
-    def track(self, msg_type: str, comm_id: str | None, rank: int) -> None:
-        """comm_open (from either side) sets the owner; comm_close forgets it."""
-        if comm_id is None:
-            return
-        if msg_type == "comm_open":
-            self.owner[comm_id] = rank
-        elif msg_type == "comm_close":
-            self.owner.pop(comm_id, None)
+    def ranks_for(self, comm_id: str | None) -> list[int]:
+        """The ranks a frontend message for ``comm_id`` goes to (rank 0 for a comm nobody opened)."""
+        return list(self.owners.get(comm_id or "", [0]))
 
     def rank_for(self, comm_id: str | None) -> int:
-        return self.owner.get(comm_id or "", 0)
+        """The rank that leads ``comm_id``."""
+        return self.ranks_for(comm_id)[0]
 
-    def from_rank(self, msg_type: str, content: dict, rank: int) -> dict:
-        """A comm message of ``rank``, ready for the frontend."""
-        self.track(msg_type, content.get("comm_id"), rank)
+    def from_rank(self, msg_type: str, content: dict, rank: int) -> dict | None:
+        """A comm message of ``rank``, ready for the frontend; None when the frontend must not
+        get it (another rank opened the same comm first, and leads it)."""
+        comm_id = content.get("comm_id")
+        if comm_id is not None:
+            owners = self.owners.get(comm_id)
+            if msg_type == "comm_open":
+                if owners is not None:
+                    if rank not in owners:
+                        owners.append(rank)
+                    return None
+                self.owners[comm_id] = [rank]
+            elif owners is not None and rank in owners and owners[0] != rank:
+                if msg_type == "comm_close":
+                    owners.remove(rank)
+                return None
+            elif msg_type == "comm_close":
+                self.owners.pop(comm_id, None)
         data = content.get("data")
         state = data.get("state") if isinstance(data, dict) else None
         if isinstance(state, dict) and state.get("msg_id") in self._frontend_id:
@@ -79,7 +115,8 @@ class CommRouter:
         message metadata carries the widget protocol version, buffers carry binary state."""
         msg_type = msg["header"]["msg_type"]
         content = self.from_rank(msg_type, msg["content"], rank)
-        self.publish(parent, msg_type, content, msg.get("metadata"), msg.get("buffers"))
+        if content is not None:
+            self.publish(parent, msg_type, content, msg.get("metadata"), msg.get("buffers"))
 
     def on_unrouted(self, rank: int, msg: dict) -> None:
         """IOPub messages no request listens for: comms are relayed, the rest (statuses) dropped."""
@@ -100,7 +137,7 @@ class CommRouter:
 
     # ------------------------------------------------------ frontend -> rank
     def forward(self, ranks: Ranks | None, parent: dict) -> None:
-        """A frontend comm message goes to the rank that owns the comm (rank 0 for new ones),
+        """A frontend comm message goes to every rank that owns the comm (rank 0 for new ones),
         in a task: waiting for the ranks to start never delays other requests."""
         if ranks is not None:
             asyncio.ensure_future(self._forward(ranks, parent))
@@ -111,15 +148,33 @@ class CommRouter:
             return
         msg_type = parent["header"]["msg_type"]
         content = parent["content"]
-        rank = self.rank_for(content.get("comm_id"))
-        self.track(msg_type, content.get("comm_id"), rank)
-        try:
-            msg_id, _ = ranks.send(rank, msg_type, content, metadata=parent.get("metadata"),
-                                   expect_reply=False, buffers=parent.get("buffers"))
-        except RankDiedError:
-            return
-        labelled = ranks.config.world_size > 1
-        ranks.listen(rank, msg_id, lambda msg: self.callback_output(rank, parent, msg, labelled))
+        comm_id = content.get("comm_id")
+        targets = [r for r in self.ranks_for(comm_id) if ranks.alive(r)]
+        if comm_id is not None and msg_type == "comm_open":
+            self.owners[comm_id] = targets
+        elif comm_id is not None and msg_type == "comm_close":
+            self.owners.pop(comm_id, None)
+        # the frontend's msg_id: a comm a callback opens is named after it on every rank
+        metadata = with_meta(parent.get("metadata"), {META_CELL: parent["header"]["msg_id"]})
+        sent: list[tuple[int, str]] = []
+        for rank in targets:
+            try:
+                msg_id, _ = ranks.send(rank, msg_type, content, metadata=metadata,
+                                       expect_reply=False, buffers=parent.get("buffers"))
+            except RankDiedError:
+                continue
+            sent.append((rank, msg_id))
+        if len(sent) == 1 or self.merged is None:
+            labelled = ranks.config.world_size > 1
+            for rank, msg_id in sent:
+                ranks.listen(rank, msg_id, lambda msg, rank=rank: self.callback_output(rank, parent, msg, labelled))
+        elif sent:
+            # a shared widget's callback runs on every owner: its output is merged as a cell's
+            run = self.merged([rank for rank, _ in sent], parent)
+            for rank, msg_id in sent:
+                ranks.listen(rank, msg_id, lambda msg, rank=rank: run.on_iopub(rank, msg))
+                run.on_reply(rank, {"status": "ok"})  # a comm message has no reply: its idle ends it
+            await run.wait()
 
     async def info(self, ranks: Ranks | None, content: dict) -> dict:
         """The comms of every live rank, merged (``comm_info_reply`` content)."""
@@ -132,5 +187,7 @@ class CommRouter:
                 if isinstance(reply, dict):
                     for comm_id, info in reply.get("comms", {}).items():
                         comms[comm_id] = info
-                        self.owner.setdefault(comm_id, rank)
+                        owners = self.owners.setdefault(comm_id, [])
+                        if rank not in owners:
+                            owners.append(rank)
         return {"status": "ok", "comms": comms}

@@ -42,7 +42,7 @@ from dist_kernel.parent.status import status_bundle
 from dist_kernel.parent.stdin import InputBroker
 from dist_kernel.parent.supervisor import RankSupervisor
 from dist_kernel.parent.throttle import OutputBudget
-from dist_kernel.protocol import META_RANKS, with_meta
+from dist_kernel.protocol import META_CELL, META_RANKS, with_meta
 
 
 class DistributedKernel(Kernel):
@@ -75,7 +75,7 @@ class DistributedKernel(Kernel):
         self._current: CellRun | None = None
         self._stdin: InputBroker | None = None
         self.ranks: Ranks | None = None  # the ranks' seam (SupervisedRanks over a RankSupervisor)
-        self.comms = CommRouter(self._publish)
+        self.comms = CommRouter(self._publish, self._callback_run)
         self._output_budget = OutputBudget()  # replaced in start(): spill files in the runtime dir
         self._displays = DisplayRegistry()  # display ids live across cells
         self._start_interrupted = asyncio.Event()  # the stop button while the ranks start
@@ -241,7 +241,9 @@ class DistributedKernel(Kernel):
                    "stop_on_error": False}
         # the cell's ranks travel along: rank-side code (fastai's show_batch) shows what one
         # process would show once, from the cell's first rank
-        meta = with_meta({"cellId": cell_id} if cell_id else {}, {META_RANKS: list(plan.ranks)})
+        # and the frontend's msg_id: comms the ranks open for it are named after it (widgets as one)
+        meta = with_meta({"cellId": cell_id} if cell_id else {},
+                         {META_RANKS: list(plan.ranks), META_CELL: parent["header"]["msg_id"]})
         # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
         ident = self._get_shell_context_var(self._shell_parent_ident)
         self._stdin = InputBroker(lambda prompt, pw: self._ask_frontend(prompt, pw, ident, parent),
@@ -268,6 +270,15 @@ class DistributedKernel(Kernel):
                 "user_expressions": reply0.get("user_expressions", {}),
                 # payloads (pager, set_next_input) from one rank only, or the frontend acts N times
                 "payload": payload}
+
+    def _callback_run(self, owners: list[int], parent: dict) -> CellRun:
+        """The run that merges what a shared widget's callback prints on its ranks."""
+        cfg = self.ranks.config if self.ranks is not None else None
+        return CellRun(owners, lambda t, c: self._publish(parent, t, c), self.execution_count,
+                       window=cfg.merge_window if cfg is not None else 0.1,
+                       world=range(cfg.world_size) if cfg is not None else owners,
+                       relay_comm=lambda rank, msg: self.comms.relay(rank, msg, parent),
+                       budget=self._output_budget, displays=self._displays)
 
     # ------------------------------------------------------- rank events
     def on_rank_death(self, rank: int, reason: str) -> None:

@@ -59,6 +59,8 @@ from dist_kernel.protocol import META, META_GROUPS, META_RANKS, META_SOLO, meta_
 Emit = tuple[str, dict]  # (msg_type, content)
 
 RICH_TYPES = ("display_data", "execute_result", "update_display_data")
+#: the mime type of a widget's view (ipywidgets)
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 #: an item waits ``window`` plus its size over this for its twins (bytes per second): a 50 MB
 #: result waits 5 s more, a line of 100 characters 10 microseconds
 SIZE_RATE = 10e6
@@ -855,6 +857,9 @@ class CellMerger:
             self._to_area(lab, group, "rich", content)
             return
         if ranks is not None and item.kind in RICH_TYPES:
+            if WIDGET_VIEW in (content.get("data") or {}):
+                # a frontend draws the widget alone, never the text beside it: the label goes first
+                self._out.append(("display_data", _labelled_rich({"data": {"text/plain": ""}, "metadata": {}}, ranks)))
             content = _labelled_rich(content, ranks)
         self._out.append((item.kind, content))
 

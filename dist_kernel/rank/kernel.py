@@ -8,6 +8,8 @@ completion, display and comms as the plain Python kernel. What it adds:
   collective; nothing the kernel needs lives in the user's namespace;
 - cell file names shared by every rank (``/tmp/ipykernel_<parent pid>/<hash>.py``), so a
   warning or traceback that every rank prints the same way merges into one;
+- comm ids named after the cell and what the comm opens with (:mod:`~dist_kernel.rank.widgets`),
+  so a widget every rank creates the same way is one widget in the frontend;
 - no subshells (no shell channel thread: one thread hop less per request), and no
   ``busy``/``execute_input`` on IOPub;
 - the count of IOPub messages a cell published, in its reply's metadata, so the parent
@@ -34,7 +36,7 @@ from ipykernel.ipkernel import IPythonKernel
 
 from dist_kernel import protocol
 from dist_kernel.iopub import UnboundedIOPubApp
-from dist_kernel.rank import agent
+from dist_kernel.rank import agent, widgets
 
 PARENT_PID_ENV = "JPY_PARENT_PID"
 
@@ -75,6 +77,8 @@ class RankKernel(IPythonKernel):
         self._told: str | None = None  # the cell whose reply carries its count: no idle for it
         self._count_lock = threading.Lock()
         self.session.send = self._counted(self.session.send)
+        # identical widgets on every rank get one comm id, so the frontend shows one widget
+        widgets.install(lambda: self.get_parent("shell"))
 
     @staticmethod
     def _showing(show: Callable[..., Any]) -> Callable[..., Any]:

@@ -320,9 +320,25 @@ def _drive_browser(server: Lab, url: str, artifacts: Path, sync_playwright) -> N
                 ".querySelectorAll('.widget-slider').length === 2", timeout=20_000)
             page.keyboard.press("Escape")  # command mode: no caret in the picture
             page.screenshot(path=str(shots / "widgets.png"))
+            # 4. a slider every rank makes the same way is one slider; moving it moves every rank's
+            _run_cell(page, 4, "shared = w.IntSlider(value=3)\nshared")
+            _wait_prompt_done(page, 4, timeout=30)
+            page.wait_for_function(
+                "() => document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-Cell')[4]"
+                ".querySelectorAll('.widget-slider').length === 1", timeout=20_000)
+            _cell(page, 4).locator(".noUi-handle").first.focus()
+            page.keyboard.press("ArrowRight")  # one step: 3 -> 4, on the one slider the ranks share
+            page.wait_for_function(
+                "() => document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-Cell')[4]"
+                ".querySelector('.widget-readout').innerText.trim() === '4'", timeout=10_000)
+            time.sleep(1)  # the frontend's update on its way to the ranks
+            _run_cell(page, 5, "print(shared.value)")
+            _wait_prompt_done(page, 5, timeout=30)
+            assert _output(page, 5).strip() == "4", _output(page, 5)  # unlabelled: every rank has 4
+            page.screenshot(path=str(shots / "shared-slider.png"))
             if os.environ.get("DIST_KERNEL_UPDATE_DOCS"):  # refresh the README's picture on request
                 (REPO / "docs").mkdir(exist_ok=True)
-                shutil.copyfile(shots / "widgets.png", REPO / "docs" / "jupyterlab.png")
+                shutil.copyfile(shots / "shared-slider.png", REPO / "docs" / "jupyterlab.png")
         except BaseException:
             try:
                 page.screenshot(path=str(shots / "failure.png"))

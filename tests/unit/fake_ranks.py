@@ -53,6 +53,7 @@ class FakeRanks:
         self.runtime_dir = runtime_dir
         self.script: Script = script or (lambda rank, code: Act())
         self.sent: list[tuple[int, str, dict, dict]] = []  # (rank, msg_type, content, metadata)
+        self.msg_ids: list[tuple[int, str, str]] = []  # (rank, msg_type, msg_id) of each send
         self.signalled: list[int] = []
         self.torn_down: list[int] = []
         self.formations = 0
@@ -73,6 +74,7 @@ class FakeRanks:
             raise RankDiedError(f"rank {rank} {self._dead[rank]}")
         msg_id = f"r{rank}_{next(self._ids)}"
         self.sent.append((rank, msg_type, content, metadata or {}))
+        self.msg_ids.append((rank, msg_type, msg_id))
         fut = asyncio.get_running_loop().create_future() if expect_reply else None
         if msg_type == "execute_request":
             asyncio.get_running_loop().call_soon(self._run, rank, msg_id, fut, content["code"])

@@ -70,10 +70,13 @@ def test_busy_and_the_input_come_first_and_idle_last_even_while_busy_is_held():
 
 def test_a_rank_selection_runs_the_cell_on_those_ranks_only_and_tells_them_which():
     async def test(fe, ranks):
-        cell = await fe.execute("%%rank 1\nprint('one')")
+        msg = fe.execute_request("%%rank 1\nprint('one')")
+        await fe.send_shell(msg)
+        cell = fe.collect(msg)
         assert cell.status == "ok" and cell.stream() == "one\n"
         sent = [(r, c["code"].strip(), m) for r, t, c, m in ranks.sent if t == "execute_request"]
-        assert sent == [(1, "print('one')", {"dist_kernel": {"ranks": [1]}})]
+        # the frontend's msg_id travels too: comms the ranks open are named after it
+        assert sent == [(1, "print('one')", {"dist_kernel": {"ranks": [1], "cell": msg["header"]["msg_id"]}})]
 
     run(test)(lambda rank, code: Act(out=[stdout("one\n")]))
 
@@ -235,6 +238,68 @@ def test_a_frontend_comm_message_goes_to_the_rank_that_opened_the_comm():
                    else [])
 
     run(test)(script)
+
+
+def _open(comm_id: str, value: int = 0) -> tuple[str, dict]:
+    return ("comm_open", {"comm_id": comm_id, "target_name": "jupyter.widget",
+                          "data": {"state": {"_model_name": "IntSliderModel", "value": value}}})
+
+
+def _view(comm_id: str) -> tuple[str, dict]:
+    return ("display_data", {"data": {"application/vnd.jupyter.widget-view+json": {"model_id": comm_id}},
+                             "metadata": {}})
+
+
+def test_a_widget_every_rank_creates_the_same_way_is_one_widget_that_every_rank_hears():
+    async def test(fe, ranks):
+        cell = await fe.execute("s = IntSlider()\ns")
+        opens = [m for m in cell.messages if m["msg_type"] == "comm_open"]
+        views = [m for m in cell.messages if m["msg_type"] == "display_data"]
+        assert [m["content"]["comm_id"] for m in opens] == ["same"]
+        assert len(views) == 1 and "[rank" not in str(views[0]["content"])
+        await fe.send_shell(fe.request("comm_msg", {"comm_id": "same", "data": {"method": "update",
+                                                                                 "state": {"value": 5}}}))
+        await asyncio.sleep(0.01)  # forwarded in a task
+        assert sorted(r for r, t, c, _ in ranks.sent if t == "comm_msg") == [0, 1]
+
+    run(test)(lambda rank, code: Act(out=[_open("same"), _view("same")]))
+
+
+def test_widgets_that_differ_between_ranks_stay_separate_and_labelled():
+    async def test(fe, ranks):
+        cell = await fe.execute("s = IntSlider(value=rank)\ns")
+        assert sorted(m["content"]["comm_id"] for m in cell.messages if m["msg_type"] == "comm_open") == ["w0", "w1"]
+        shown = [m["content"]["data"] for m in cell.messages if m["msg_type"] == "display_data"]
+        # a frontend draws a widget's view alone: each one follows its rank's label
+        assert [d.get("text/plain") for d in shown if "application/vnd.jupyter.widget-view+json" not in d] == [
+            "[rank 0] ", "[rank 1] "]
+        assert [d["application/vnd.jupyter.widget-view+json"]["model_id"] for d in shown
+                if "application/vnd.jupyter.widget-view+json" in d] == ["w0", "w1"]
+        assert ["widget-view" in str(d) for d in shown] == [False, True, False, True]
+        await fe.send_shell(fe.request("comm_msg", {"comm_id": "w1", "data": {"method": "update"}}))
+        await asyncio.sleep(0.01)
+        assert [r for r, t, c, _ in ranks.sent if t == "comm_msg"] == [1]
+
+    run(test)(lambda rank, code: Act(out=[_open(f"w{rank}", rank), _view(f"w{rank}")]))
+
+
+def test_what_a_shared_widgets_callback_prints_on_every_rank_shows_once():
+    async def test(fe, ranks):
+        await fe.execute("b = Button()\nb")
+        msg = fe.request("comm_msg", {"comm_id": "same", "data": {"method": "custom", "content": {"event": "click"}}})
+        await fe.send_shell(msg)
+        await asyncio.sleep(0.01)
+        assert [m["dist_kernel"]["cell"] for _, t, _, m in ranks.sent if t == "comm_msg"] == [msg["header"]["msg_id"]] * 2
+        forwarded = [(r, i) for r, t, i in ranks.msg_ids if t == "comm_msg"]
+        assert [r for r, _ in forwarded] == [0, 1]
+        for rank, msg_id in forwarded:
+            ranks.iopub(rank, msg_id, "stream", {"name": "stdout", "text": "clicked\n"})
+            ranks.iopub(rank, msg_id, "status", {"execution_state": "idle"})
+        await asyncio.sleep(0.2)
+        out = fe.published(msg)
+        assert "".join(m["content"]["text"] for m in out if m["msg_type"] == "stream") == "clicked\n"
+
+    run(test)(lambda rank, code: Act(out=[_open("same"), _view("same")]))
 
 
 def test_comm_info_merges_the_comms_of_every_rank():
