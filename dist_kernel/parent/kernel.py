@@ -17,8 +17,10 @@ import time
 from datetime import datetime
 from typing import Any
 
+import zmq
 from ipykernel.kernelbase import Kernel
 from traitlets import Any as AnyTrait
+from zmq.eventloop.zmqstream import ZMQStream
 
 from dist_kernel import __version__
 from dist_kernel.exceptions import (
@@ -43,6 +45,24 @@ from dist_kernel.parent.stdin import InputBroker
 from dist_kernel.parent.supervisor import RankSupervisor
 from dist_kernel.parent.throttle import OutputBudget
 from dist_kernel.protocol import META_CELL, META_RANKS, with_meta
+
+
+def _rearm(stream: Any) -> None:
+    """Look for requests a raw send may have hidden from ``stream`` (a ZMQStream).
+
+    A ZMQ socket's file descriptor signals edges: a send on the socket can swallow the edge
+    of a request that arrived meanwhile, which would then wait unread until the next message
+    (under load: the next cell never starts, or the stop button's interrupt_request is not
+    read). ZMQStream checks the socket after its own sends; replies here bypass it (above),
+    so the same check runs once their handler is done."""
+    if not isinstance(stream, ZMQStream) or stream.closed():
+        return
+
+    def check() -> None:
+        if not stream.closed() and stream.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            stream.flush(zmq.POLLIN, limit=1)  # the stream's own callback, as a turn of its loop would
+
+    stream.io_loop.add_callback(check)
 
 
 class DistributedKernel(Kernel):
@@ -136,16 +156,18 @@ class DistributedKernel(Kernel):
         is queued and sent on a later turn of the loop (or by the flush after the request),
         at a cost in CPU per request (issue 14). The handler runs on the stream's own thread."""
         async def handle(stream: Any, ident: Any, parent: dict) -> None:
-            stream = getattr(stream, "socket", stream)
+            sock = getattr(stream, "socket", stream)
             try:
-                result = handler(stream, ident, parent)
+                result = handler(sock, ident, parent)
                 if asyncio.iscoroutine(result):
                     await result
             except Exception as e:  # noqa: BLE001 - answered, logged, and the kernel goes on
                 self.log.exception("handler for %s failed", msg_type)
                 if msg_type.endswith("_request"):
                     reply = {"status": "error", "ename": type(e).__name__, "evalue": str(e), "traceback": []}
-                    self.session.send(stream, msg_type.replace("_request", "_reply"), reply, parent, ident=ident)
+                    self.session.send(sock, msg_type.replace("_request", "_reply"), reply, parent, ident=ident)
+            finally:
+                _rearm(stream)
         return handle
 
     async def _ready_error(self) -> dict | None:
