@@ -179,8 +179,8 @@ OPTIONS: tuple[Option, ...] = (
            "2:00:00\" (slurm only)", "dist_kernel.parent.slurm", metavar="ARGS"),
     Option("listen", verbatim, None, "the parent's address as the nodes see it, no port (slurm/ssh; "
            "default: this machine's address on its route to the nodes)", "dist_kernel.parent.listen", metavar="ADDR"),
-    Option("port_range", verbatim, None, "ports to listen on and for rank 0's rendezvous (slurm/ssh; "
-           "default: random free ports)", _REMOTE, metavar="A-B"),
+    Option("port_range", verbatim, None, "ports to listen on, for rank 0's rendezvous and for MASTER_PORT "
+           "(slurm/ssh; at least 3; default: random free ports)", _REMOTE, metavar="A-B"),
     Option("oversubscribe", switch, "off", "start more ranks than this machine's memory or CPU cores "
            "can hold (local launcher; default {default})", "dist_kernel.capacity", metavar="on|off"),
 )
@@ -579,8 +579,9 @@ def _port_range(raw: str | None, remote: bool) -> tuple[int, int] | None:
         raise ConfigError(
             f"--port-range {text}: the ports must satisfy 1024 <= A <= B <= 65535 "
             f"(e.g. 29500-29509). {FIX_HINT}")
-    if remote and hi - lo + 1 < 2:
+    if remote and hi - lo + 1 < 3:
         raise ConfigError(
-            f"--port-range {text} has one port; slurm/ssh need at least 2 (one for the parent's "
-            f"listener, one for rank 0's rendezvous), e.g. --port-range {min(lo, 65526)}-{min(lo, 65526) + 9}. {FIX_HINT}")
+            f"--port-range {text} has {hi - lo + 1} port{'s' if hi > lo else ''}; slurm/ssh need at least 3 (the "
+            f"parent's listener, rank 0's rendezvous, and MASTER_PORT for a group initialised by hand), "
+            f"e.g. --port-range {min(lo, 65526)}-{min(lo, 65526) + 9}. {FIX_HINT}")
     return (lo, hi)

@@ -47,18 +47,20 @@ def fail(message: str, code: int = 3) -> None:
     sys.exit(code)
 
 
-def free_port(address: str, port_range: list[int] | None, avoid: int) -> int:
+def free_port(address: str, port_range: list[int] | None, avoid: tuple[int, ...]) -> int:
     """A port rank 0's rendezvous can bind on ``address``: from the range if one is given."""
-    candidates = range(port_range[0], port_range[1] + 1) if port_range else [0]
+    candidates = range(port_range[0], port_range[1] + 1) if port_range else [0] * 8
     for port in candidates:
-        if port == avoid:
+        if port in avoid:
             continue
         with socket.socket() as s:
             try:
                 s.bind((address, port))
             except OSError:
                 continue
-            return s.getsockname()[1]
+            found = s.getsockname()[1]
+        if found not in avoid:
+            return found
     raise OSError(f"no free port in {port_range[0]}-{port_range[1]} on {address}" if port_range else "no free port")
 
 
@@ -129,7 +131,10 @@ class NodeAgent:
                  "ifname": self.ifname, "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
                  "step": os.environ.get("SLURM_STEP_ID")}
         if self.node == 0:  # rank 0 hosts the rendezvous on this node's cluster address
-            hello["master_port"] = free_port(self.address, self.boot.port_range, avoid=port)
+            hello["master_port"] = free_port(self.address, self.boot.port_range, avoid=(port,))
+            # and MASTER_PORT is another free port: the kernel's TCPStore holds the first for its
+            # life, so dist.init_process_group() by hand (env://, rank 0 binds MASTER_PORT) needs its own
+            hello["user_port"] = free_port(self.address, self.boot.port_range, avoid=(port, hello["master_port"]))
         self.send_ctl(hello)
 
     def cwd(self) -> str:

@@ -447,13 +447,14 @@ class RemoteLauncher(GangLauncher):
 
         hellos = await self._gather("hello", lambda n: f"node {n} never connected to the parent at {self.endpoint}")
         master_addr = hellos[0]["address"]
-        master_port = int(hellos[0]["master_port"])
+        master_port = int(hellos[0]["master_port"])  # the kernel's TCPStore, held for its life
+        user_port = int(hellos[0].get("user_port", master_port))  # the ranks' MASTER_PORT: free for env://
         self.master = (master_addr, master_port)
         job = next((h.get("job") for h in hellos.values() if h.get("job")), None)
         if job:
             self.nodes_launcher.note_job(str(job))
         for n in range(cfg.nodes):
-            self.tunnel.send_ctl(n, {"type": "start", "master_addr": master_addr, "master_port": master_port})
+            self.tunnel.send_ctl(n, {"type": "start", "master_addr": master_addr, "master_port": user_port})
         started = await self._gather("started", lambda n: f"node {n} ({self._host(n)}) did not start its ranks")
         for n, event in started.items():
             for rank_text, pid in event["ranks"].items():

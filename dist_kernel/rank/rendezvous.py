@@ -5,7 +5,7 @@ the rank kernel calls :func:`join` with it on the rank's main thread. On one mac
 rendezvous goes through a ``FileStore`` in the kernel's private runtime directory (mode
 0700): no port is chosen, so there is no free-port race, two kernels never collide, and
 nothing listens on the network (``TCPStore`` binds every interface). Across machines, rank 0
-hosts a ``TCPStore`` on its node's cluster address (``MASTER_ADDR:MASTER_PORT``), kept for
+hosts a ``TCPStore`` on its node's cluster address (``MASTER_ADDR``, a port of its own), kept for
 the kernel's life; each formation uses its own prefix in it. Either is wrapped by
 :mod:`dist_kernel.rank.store`, so that a rank waiting there for peers that never come (group
 creation on some ranks only) can be freed. The launcher sets the
@@ -102,7 +102,8 @@ def _master_port(req: Join, meeting) -> None:  # noqa: ANN001 - a torch.distribu
     """Give the ranks a MASTER_PORT, so that ``dist.init_process_group("gloo")`` by hand (env://,
     as under torchrun) works after a cell destroyed the group. On one machine the ranks meet in a
     file and no port was given: rank 0 picks a free loopback port and the others read it from the
-    store. Across machines MASTER_PORT is set already (rank 0's TCPStore serves it)."""
+    store. Across machines MASTER_PORT is set already: a free port on node 0 that node 0's agent
+    chose besides the one rank 0's TCPStore holds (see ``dist_kernel.node.agent``)."""
     import os
     import socket
 

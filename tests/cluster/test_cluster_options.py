@@ -7,7 +7,7 @@ from harness import DistKernel
 from test_cluster import HEAD, SSH_OPTS, kernel_env
 
 
-def test_port_range_holds_the_parents_listener_and_rank_0s_rendezvous(lab):
+def test_port_range_holds_the_parents_listener_rank_0s_rendezvous_and_a_free_master_port(lab):
     """Across machines (the two-node lab of tests/cluster/lab.sh), through ssh."""
     lo, hi = 29650, 29659
     k = DistKernel(*SSH_OPTS, "--port-range", f"{lo}-{hi}", env=kernel_env(lab))
@@ -20,5 +20,12 @@ def test_port_range_holds_the_parents_listener_and_rank_0s_rendezvous(lab):
         listening = {c.laddr.port for c in psutil.Process(k.pid).net_connections("tcp")
                      if c.status == psutil.CONN_LISTEN and c.laddr.ip == HEAD}
         assert listening and all(lo <= p <= hi for p in listening), listening
+        # MASTER_PORT is free (the kernel's rendezvous holds another port): after the group is
+        # destroyed on every rank, dist.init_process_group() by hand (env://) works across machines
+        res = k.execute("import torch, torch.distributed as dist\ndist.destroy_process_group()", timeout=60)
+        assert res.status == "ok" and "process group is down" in res.stream("stderr"), res.outputs
+        res = k.execute('dist.init_process_group("gloo")\nt = torch.ones(1)\ndist.all_reduce(t)\n'
+                        "print(int(t.item()), os.environ['MASTER_PORT'])", timeout=120)
+        assert res.status == "ok" and res.stream() == f"2 {master_port}\n", res.outputs
     finally:
         k.shutdown()

@@ -68,6 +68,16 @@ def test_merge_window_ms_is_how_long_a_line_waits_for_the_same_line_of_the_other
 
 
 @pytest.mark.slow
+def test_merge_window_ms_is_how_long_an_unfinished_line_waits_for_its_end(configured, kernel2):
+    # the start of a line is shown once it waited the window for its end: with the default 100 ms
+    # before the end comes 1.5 s later, with 5000 ms only together with its end
+    cell = "import sys, time\nsys.stdout.write('abc')\nsys.stdout.flush()\ntime.sleep(1.5)\nprint('def')"
+    k, _ = configured
+    assert [o.content["text"] for o in k.execute(cell).of_type("stream")] == ["abcdef\n"]
+    assert [o.content["text"] for o in kernel2.execute(cell).of_type("stream")] == ["abc", "def\n"]
+
+
+@pytest.mark.slow
 def test_timeout_is_the_collective_timeout(configured):
     # rank 0 alone in a barrier: with --timeout 3 gloo gives up after 3 s (--hang-grace 60 keeps
     # the kernel's own hang report out of the way); with the default it would wait 30 minutes

@@ -230,7 +230,8 @@ class TestSeveralMachines:
         ({"launcher": "slurm", "port_range": "80-90"}, "1024 <= A <= B <= 65535"),
         ({"launcher": "slurm", "port_range": "30000-29000"}, "1024 <= A <= B <= 65535"),
         ({"launcher": "slurm", "port_range": "60000-70000"}, "1024 <= A <= B <= 65535"),
-        ({"launcher": "slurm", "port_range": "29500-29500"}, "at least 2"),
+        ({"launcher": "slurm", "port_range": "29500-29500"}, "at least 3"),
+        ({"launcher": "slurm", "port_range": "29500-29501"}, "has 2 ports; slurm/ssh need at least 3"),
         ({"port_range": "1-2"}, "1024 <= A <= B <= 65535"),
         ({"listen": "a:1"}, "without port"),
     ])

@@ -33,7 +33,7 @@ def test_a_request_that_arrives_while_a_reply_is_sent_raw_is_still_read(transpor
             if body == b"first cell":
                 await asyncio.sleep(0.02)  # the cell runs, over later turns of the loop
                 frontend.send(b"next cell")  # the next request arrives while this turn runs...
-                time.sleep(0.05)
+                time.sleep(0.05)  # noqa: ASYNC251 - this turn must not yield: the request lands inside it
                 sock.send_multipart([ident, b"execute_reply"])  # ...and the raw reply takes its edge
 
         kernel = SimpleNamespace(log=None, session=None)
