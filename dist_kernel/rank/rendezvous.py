@@ -94,6 +94,11 @@ def _store(req: Join):  # noqa: ANN202 - a torch.distributed Store
     return dist.PrefixStore(prefix, store.endable(_tcp_store[0]))
 
 
+def store_port() -> int | None:
+    """The port of rank 0's TCPStore across machines (None on one machine): not MASTER_PORT."""
+    return _tcp_store[0].port if _tcp_store else None
+
+
 #: MASTER_PORT, when this module set it (one machine): a new one at each formation
 _port_set: list[str] = []
 

@@ -581,9 +581,13 @@ def test_ranks_get_torchruns_variables_and_gloo_uses_the_cluster_interface(any_k
         assert env == {"RANK": str(r), "LOCAL_RANK": str(r % G), "NODE_RANK": str(r // G),
                        "WORLD_SIZE": str(k.world), "LOCAL_WORLD_SIZE": str(G), "MASTER_ADDR": NODES["n1"],
                        "MASTER_PORT": master_port, "GLOO_SOCKET_IFNAME": "lab0"}, (r, env)
-    # rank 0 (on n1) holds the rendezvous on n1's cluster address
+    # rank 0 (on n1) holds the kernel's rendezvous on n1's cluster address, on a port of its own:
+    # MASTER_PORT stays free for dist.init_process_group() by hand
+    store = json.loads(per_rank(k.execute("from dist_kernel.rank.rendezvous import store_port\n"
+                                          "print(json.dumps([store_port(), rank]))", timeout=60).stream())[0])[0]
     ls = listeners("n1")
-    assert any(x.port == int(master_port) and x.pid in {p.pid for p in k.ranks_on("n1")} for x in ls), ls
+    assert any(x.port == store and x.pid in {p.pid for p in k.ranks_on("n1")} for x in ls), (store, ls)
+    assert store != int(master_port) and not any(x.port == int(master_port) for x in ls), (master_port, ls)
     # the group's connections between the ranks are on the lab's addresses, never loopback
     for ns in NODES:
         socks = tcp_sockets(ns)
@@ -657,14 +661,15 @@ def test_the_ddp_example_runs_with_dist_kernel_run_over_ssh(lab, tmp_path):
 def test_no_jupyter_port_is_open_on_the_nodes(any_kernel):
     """The ranks' kernels are on IPC and the agent connects out, so a node listens (besides sshd,
     slurmd and slurmstepd) only on what torch and ipykernel open in any process: rank 0's
-    rendezvous (MASTER_PORT), one gloo listener per rank on the cluster address, and ipykernel's
+    rendezvous (the kernel's TCPStore, not MASTER_PORT), one gloo listener per rank on the cluster address, and ipykernel's
     IOPub pipe for forked subprocesses' output (on 127.0.0.1, authenticated by a random token)."""
     k = any_kernel
     k.check_works()
-    res = k.execute("import sys\nprint(json.dumps({'pid': os.getpid(), 'master_port': int(os.environ['MASTER_PORT']), "
+    res = k.execute("import sys\nfrom dist_kernel.rank.rendezvous import store_port\n"
+                    "print(json.dumps({'pid': os.getpid(), 'store_port': store_port(), "
                     "'pipe_port': getattr(getattr(sys.stdout, 'pub_thread', None), '_pipe_port', None)}))", timeout=60)
     info = {r: json.loads(v) for r, v in per_rank(res.stream()).items()}
-    master_port = info[0]["master_port"]
+    store_port = info[0]["store_port"]
     lab_daemons = ("sshd", "slurmd", "slurmstepd")
     for ns, addr in NODES.items():
         ranks = {p.pid: p for p in k.ranks_on(ns)}
@@ -693,15 +698,15 @@ def test_no_jupyter_port_is_open_on_the_nodes(any_kernel):
                                                                   ("shell", "iopub", "stdin", "control", "hb")}, (x, cf)
                 continue
             assert x.pid in ranks, f"something else listens on {ns}: {x} ({Path(f'/proc/{x.pid}/cmdline').read_bytes()!r})"
-            if ns == "n1" and x.port == master_port:
-                continue  # torch's TCPStore, in rank 0 (it binds every address, as PyTorch documents)
+            if ns == "n1" and x.port == store_port:
+                continue  # the kernel's TCPStore, in rank 0 (it binds every address, as PyTorch documents)
             if (x.pid, x.port) in pipes:
                 assert x.addr == "127.0.0.1", f"ipykernel's IOPub pipe is not on loopback on {ns}: {x}"
                 continue
             assert x.addr == addr, f"a rank listens on {x.addr}:{x.port} on {ns}, not on gloo's {addr}"
             gloo[x.pid].append(x)
         assert all(len(v) == 1 for v in gloo.values()), f"not exactly gloo's one listener per rank on {ns}: {gloo}"
-    assert any(x.port == master_port and x.pid in {p.pid for p in k.ranks_on("n1")} for x in listeners("n1"))
+    assert any(x.port == store_port and x.pid in {p.pid for p in k.ranks_on("n1")} for x in listeners("n1"))
 
 
 ATTACK = r'''
