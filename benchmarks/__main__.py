@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import cluster, hf_train, lightning_train, measure, peers, report
+from benchmarks import cluster, hf_train, lightning_train, measure, peers, report, torch_train
 from benchmarks.common import Kernel, log, median
 
 HERE = Path(os.path.abspath(__file__)).parent
@@ -212,9 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", default=None, help="comma list of rank counts (default 1,2,4,8; quick 1,2)")
     p.add_argument("--no-peers", action="store_true", help="skip ipyparallel and nbdistributed")
     p.add_argument("--from-json", default=None, help="only redraw the table and chart from a results.json")
-    p.add_argument("--only", choices=["idle", "cluster", "lightning", "hf"], default=None,
+    p.add_argument("--only", choices=["idle", "cluster", "lightning", "hf", "torch"], default=None,
                    help="run one section alone: idle (issue 12), cluster (issue 13), lightning (issue 21: a Lightning "
-                        "DDP step against torchrun) or hf (issue 21: accelerate and Trainer steps against torchrun); "
+                        "DDP step against torchrun), hf (issue 21: accelerate and Trainer steps against torchrun) or "
+                        "torch (issue 21: FSDP2, torch.compile with DDP and DeepSpeed ZeRO-2 steps against torchrun); "
                         "writes <section>.md and <section>.json, not results.*")
     p.add_argument("--idle-window", type=float, default=None, help="seconds the idle section samples (full 10, quick 1)")
     a = p.parse_args(argv)
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_json:
         res = json.loads(Path(a.from_json).read_text())
         stem = ("results" if res.get("dist") else "idle" if "idle" in res else "cluster" if "cluster" in res
-                else "lightning" if "lightning" in res else "hf" if "hf" in res else "results")
+                else "lightning" if "lightning" in res else "hf" if "hf" in res else "torch" if "torch" in res
+                else "results")
     else:
         mode = "quick" if a.quick else "full"
         cfg = dict(SIZES[mode])
@@ -240,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
                         "sizes": {k: v for k, v in cfg.items()}, "only": a.only},
                "dist": {}}
         log(f"mode {mode}: " + (f"only {a.only}" if a.only else f"ranks {cfg['ranks']}")
-            + ("" if a.only in ("cluster", "lightning", "hf") else "; plain ipykernel baseline"))
+            + ("" if a.only in ("cluster", "lightning", "hf", "torch") else "; plain ipykernel baseline"))
         if a.only == "lightning":
             lightning_train.run(cfg, res)
         elif a.only == "hf":
             hf_train.run(cfg, res, mode)
+        elif a.only == "torch":
+            torch_train.run(cfg, res)
         elif a.only != "cluster":
             plain = Kernel("plain")
             try:

@@ -277,11 +277,12 @@ def markdown(res: dict, idle: bool = True) -> str:
     dist = res.get("dist", {})
     meta = res.get("meta", {})
     lines = ["# dist_kernel benchmarks", "", *_header(res)]
-    if not dist:  # --only idle, --only cluster, --only lightning, --only hf
-        from benchmarks import hf_train, lightning_train
+    if not dist:  # --only idle, --only cluster, --only lightning, --only hf, --only torch
+        from benchmarks import hf_train, lightning_train, torch_train
 
         section = (idle_block(res) if res.get("idle") else lightning_train.markdown(res) if res.get("lightning")
-                   else hf_train.markdown(res) if res.get("hf") else cluster.markdown(res))
+                   else hf_train.markdown(res) if res.get("hf") else torch_train.markdown(res) if res.get("torch")
+                   else cluster.markdown(res))
         return "\n".join(lines + [section])
 
     # 1. round trip
