@@ -89,7 +89,14 @@ def main() -> None:
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     else:
         dist.init_process_group("gloo")
-    res = train(steps=a.steps, warmup=a.warmup, batch=a.batch, width=a.width, depth=a.depth)
+    report_and_leave(train(steps=a.steps, warmup=a.warmup, batch=a.batch, width=a.width, depth=a.depth))
+
+
+def report_and_leave(res: dict) -> None:
+    """The end of a benchmark script under torchrun: rank 0 prints its ``@@`` line, then every
+    rank leaves the group together."""
+    import torch.distributed as dist
+
     if dist.get_rank() == 0:
         print("@@" + json.dumps(res), flush=True)
     dist.barrier()  # nobody leaves while a peer still talks to it (gloo aborts on that)

@@ -20,7 +20,6 @@ its CPU ranks (``ACCELERATE_USE_CPU``, one thread per rank on this machine's cor
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -206,13 +205,9 @@ def main() -> None:
         p.add_argument(f"--{name}", type=int, default=None)
     a = p.parse_args()
     kw = {k: v for k, v in vars(a).items() if k != "workload" and v is not None}
-    res = run_workload(a.workload, **kw)
-    import torch.distributed as dist
+    from benchmarks.ddp_train import report_and_leave
 
-    if dist.get_rank() == 0:
-        print("@@" + json.dumps(res), flush=True)
-    dist.barrier()  # nobody leaves while a peer still talks to it (gloo aborts on that)
-    dist.destroy_process_group()
+    report_and_leave(run_workload(a.workload, **kw))
 
 
 if __name__ == "__main__":

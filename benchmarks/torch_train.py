@@ -22,7 +22,6 @@ on random data, on CPU/gloo:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -250,11 +249,9 @@ def main() -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")  # as a user's script does (DeepSpeed finds it, as it finds the kernel's)
-    res = train(a.workload, steps=a.steps, warmup=a.warmup, batch=a.batch, width=a.width, depth=a.depth)
-    if dist.get_rank() == 0:
-        print("@@" + json.dumps(res), flush=True)
-    dist.barrier()  # nobody leaves while a peer still talks to it (gloo aborts on that)
-    dist.destroy_process_group()
+    from benchmarks.ddp_train import report_and_leave
+
+    report_and_leave(train(a.workload, steps=a.steps, warmup=a.warmup, batch=a.batch, width=a.width, depth=a.depth))
 
 
 if __name__ == "__main__":
