@@ -295,10 +295,10 @@ class DistributedKernel(Kernel):
 
     def _callback_run(self, owners: list[int], parent: dict) -> CellRun:
         """The run that merges what a shared widget's callback prints on its ranks."""
-        cfg = self.ranks.config if self.ranks is not None else None
+        assert self.ranks is not None  # the router calls this only once the ranks are ready
+        cfg = self.ranks.config
         return CellRun(owners, lambda t, c: self._publish(parent, t, c), self.execution_count,
-                       window=cfg.merge_window if cfg is not None else 0.1,
-                       world=range(cfg.world_size) if cfg is not None else owners,
+                       window=cfg.merge_window, world=range(cfg.world_size),
                        relay_comm=lambda rank, msg: self.comms.relay(rank, msg, parent),
                        budget=self._output_budget, displays=self._displays)
 
