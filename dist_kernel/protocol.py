@@ -53,6 +53,9 @@ META_GROUP_DESTROYED = "group_destroyed"
 META_SEQ = "seq"
 #: display_data, rank -> parent: this rank's output alone, shown once and unlabelled (true)
 META_SOLO = "solo"
+#: stream (in its content) and display_data, rank -> parent: made inside a branch on the rank
+#: (``if rank == 0:``), so the other ranks may never give its twin: not held for them (true)
+META_BRANCH = "branch"
 #: merged output, parent -> frontend: the ranks it stands for are :data:`META_RANKS`; a merged
 #: display also lists its rank groups here (a list of lists of int)
 META_GROUPS = "groups"

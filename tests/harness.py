@@ -7,7 +7,7 @@ import os
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,7 +110,9 @@ class DistKernel:
     def rank_pids(self) -> list[int]:
         return [p.pid for p in psutil.Process(self.pid).children() if is_rank_process(p)]
 
-    def execute(self, code: str, timeout: float = 120, **kw) -> Result:
+    def execute(self, code: str, timeout: float = 120, on_output: Callable[[Output], None] | None = None,
+                **kw) -> Result:
+        """Run ``code``; ``on_output`` sees each output as it arrives (to act while the cell runs)."""
         kw.setdefault("allow_stdin", False)  # as nbclient; tests that answer input() pass True
         msg_id = self.kc.execute(code, **kw)
         t0 = time.monotonic()
@@ -128,6 +130,8 @@ class DistKernel:
             if mt == "execute_input":
                 continue
             res.outputs.append(Output(mt, msg["content"], time.monotonic() - t0, time.time()))
+            if on_output is not None:
+                on_output(res.outputs[-1])
         while True:
             reply = self.kc.get_shell_msg(timeout=timeout)
             if reply["parent_header"].get("msg_id") == msg_id:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from dist_kernel.exceptions import DistributedError
 from dist_kernel.parent.magics import format_ranks
-from dist_kernel.protocol import META, META_GROUPS, META_RANKS, META_SOLO, meta_of, with_meta
+from dist_kernel.protocol import META, META_BRANCH, META_GROUPS, META_RANKS, META_SOLO, meta_of, with_meta
 
 Emit = tuple[str, dict]  # (msg_type, content)
 
@@ -120,12 +120,14 @@ class _Item:
     display_id: str | None = None
     cr: bool = False  # a piece of a line rewritten with '\r' (a progress bar)
     partial: bool = False  # the start of a line, published before its end came (it may be cut elsewhere)
+    branch: bool = False  # made inside a branch on the rank (`if rank == 0:`): not held for silent ranks
 
 
 @dataclass
 class _Partial:
     text: str = ""
     t: float = 0.0
+    branch: bool = False  # some of the text was written inside a branch on the rank
 
 
 @dataclass
@@ -278,7 +280,7 @@ class CellMerger:
         if self._start is None:
             self._start = now
         if msg_type == "stream" and "metadata" in content:
-            self._add_solo_stream(rank, content, now)
+            self._add_marked_stream(rank, content, now)
             return
         if msg_type == "stream" and self._add_chunk(rank, content.get("name", "stdout"), content.get("text", ""), now):
             return
@@ -448,39 +450,43 @@ class CellMerger:
     def _wait_size(self, size: int) -> float:
         return self.window + max(size - _SMALL, 0) / SIZE_RATE
 
-    def _add_stream(self, rank: int, name: str, text: str, now: float) -> None:
+    def _add_stream(self, rank: int, name: str, text: str, now: float, branch: bool = False) -> None:
         # the other stream's unfinished line came first: it must not wait behind this text
         self._flush_partials(rank, now, force=True, names=("stderr" if name == "stdout" else "stdout",))
         part = self._partials.setdefault((rank, name), _Partial())
         if not part.text:
-            part.t = now
+            part.t, part.branch = now, False
         text = part.text + text
-        t0 = part.t
+        t0, first = part.t, part.branch or branch  # a line partly written in a branch is the rank's own
         if "\r" in text:
             units, rest = split_units(text)
             for unit, cr in units:
                 self._push(rank, _Item("stream", ("stream", name, unit), {"name": name, "text": unit}, t0,
-                                       size=len(unit), cr=cr))
-                t0 = now
+                                       size=len(unit), cr=cr, branch=first))
+                t0, first = now, branch
         else:
             lines, rest = _split_lines(text)
             for line in lines:
                 self._push(rank, _Item("stream", ("stream", name, line), {"name": name, "text": line}, t0,
-                                       size=len(line)))
-                t0 = now
+                                       size=len(line), branch=first))
+                t0, first = now, branch
             units = lines
         part.text, part.t = rest, (now if units else part.t)
+        part.branch = bool(rest) and (branch or (part.branch and not units))
 
-    def _add_solo_stream(self, rank: int, content: dict, now: float) -> None:
+    def _add_marked_stream(self, rank: int, content: dict, now: float) -> None:
         """Text the rank marked as its alone (``agent.solo_output(streams=True)``: rank 0's log
-        line that the other ranks never print) is shown unlabelled, in its place, as it is."""
+        line that the other ranks never print) is shown unlabelled, in its place, as it is.
+        Text it made inside a branch on the rank (``if rank == 0: print(...)``) is merged as
+        usual, but not held for ranks that may merely lag (see :meth:`_due`)."""
         self._split_chunks(now)
-        self._flush_partials(rank, now, force=True)
         name, text = content.get("name", "stdout"), content.get("text", "")
-        marked = meta_of(content.get("metadata") if isinstance(content.get("metadata"), dict) else None).get(META_SOLO)
+        mark = meta_of(content.get("metadata") if isinstance(content.get("metadata"), dict) else None)
+        marked = mark.get(META_SOLO)
         if not marked or len(self.ranks) == 1:
-            self._add_stream(rank, name, text, now)
+            self._add_stream(rank, name, text, now, branch=bool(mark.get(META_BRANCH)) and len(self.ranks) > 1)
         else:
+            self._flush_partials(rank, now, force=True)
             self._push(rank, _Item("stream", ("solo", rank, id(content)), {"name": name, "text": text}, now,
                                    solo=True, size=len(text)))
         self._drain(now)
@@ -491,8 +497,8 @@ class CellMerger:
             part = self._partials.get((rank, name))
             if part and part.text and (force or now - part.t >= self.window):
                 self._push(rank, _Item("stream", ("stream", name, part.text), {"name": name, "text": part.text},
-                                       part.t, size=len(part.text), partial=True))
-                part.text = ""
+                                       part.t, size=len(part.text), partial=True, branch=part.branch))
+                part.text, part.branch = "", False
 
     def _add_error(self, rank: int, content: dict, now: float) -> None:
         self._flush_partials(rank, now, force=True)  # keep print-then-error order
@@ -535,8 +541,10 @@ class CellMerger:
         self._flush_partials(rank, now, force=True)  # keep print-then-display order
         content = dict(content)
         meta = content.get("metadata") or {}
-        marked = meta_of(meta).get(META_SOLO)
-        if marked:  # the rank said this output is its alone (rank_agent.solo_output)
+        mark = meta_of(meta)
+        marked = mark.get(META_SOLO)  # the rank said this output is its alone (rank_agent.solo_output)
+        branch = bool(mark.get(META_BRANCH)) and not marked and len(self.ranks) > 1
+        if mark:
             content["metadata"] = {k: v for k, v in meta.items() if k != META}
         solo = (self.rich_from is not None or bool(marked)) and len(self.ranks) > 1
         display_id = (content.get("transient") or {}).get("display_id")
@@ -549,11 +557,11 @@ class CellMerger:
         data_key, size = _content_key(content)
         key: Hashable = (msg_type, display_id, data_key)  # identical outputs with the same id collapse
         self._push(rank, _Item(msg_type, (key, rank) if solo else key, content, now, solo=solo, size=size,
-                               display_id=display_id))
+                               display_id=display_id, branch=branch))
 
     def _push(self, rank: int, item: _Item) -> None:
         queue = self._queues[rank]
-        if not queue and len(self.ranks) > 1 and not item.in_order and not item.solo:
+        if not queue and len(self.ranks) > 1 and not item.in_order and not item.solo and not item.branch:
             self._realign(rank, item.key)
         queue.append(item)
         self._count(rank, item)
@@ -659,10 +667,10 @@ class CellMerger:
             due = self._due(rank, now, final)
             if not due:
                 break
-            if due == _DIFFERS:
+            if due == _DIFFERS and not item.branch:
                 self._differed(rank)
             cr = cr or item.cr
-            texts.append(self._pop(rank).content["text"])
+            texts.append(self._pop(rank, place=not item.branch).content["text"])
         self._emit(_Item("stream", None, {"name": name, "text": "".join(texts)}, now, cr=cr), [rank])
 
     def _pop_common_run(self) -> bool:
@@ -728,7 +736,7 @@ class CellMerger:
                 differs = True  # q gave something else here (or, diverged, gave something else now)
                 continue
             silent = now - self._heard.get(q, self._start if self._start is not None else now)
-            if diverged or silent >= self.lag_bound + self._wait(head) - self.window:
+            if diverged or head.branch or silent >= self.lag_bound + self._wait(head) - self.window:
                 window = True
                 continue
             return 0  # q has not reached this place yet and may still give the twin
@@ -764,7 +772,8 @@ class CellMerger:
                     continue
                 key = queues[live[0]][0].key
                 if all(queues[r][0].key == key for r in live):
-                    items = [self._pop(r, shared=True) for r in live]
+                    extra = any(queues[r][0].branch for r in live)  # every rank or none takes a place
+                    items = [self._pop(r, place=not extra, shared=True) for r in live]
                     self._shared(live)
                     self._emit(items[0], None)
                     continue
@@ -784,10 +793,10 @@ class CellMerger:
                     self._pop_own_run(r, now, final)
                     popped.add(r)
                     continue
-                if len(group) == 1 and due[r] == _DIFFERS:
+                if len(group) == 1 and due[r] == _DIFFERS and not head.branch:
                     self._differed(r)
-                for q in group:
-                    self._pop(q, shared=len(group) > 1)
+                for q in group:  # output made in a branch on the rank is extra, as a diff sees it
+                    self._pop(q, place=not head.branch, shared=len(group) > 1)
                 if len(group) > 1:
                     self._shared(group)
                 popped.update(group)

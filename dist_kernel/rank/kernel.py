@@ -36,7 +36,7 @@ from ipykernel.ipkernel import IPythonKernel
 
 from dist_kernel import protocol
 from dist_kernel.iopub import UnboundedIOPubApp
-from dist_kernel.rank import agent, widgets
+from dist_kernel.rank import agent, branches, widgets
 
 PARENT_PID_ENV = "JPY_PARENT_PID"
 
@@ -79,6 +79,12 @@ class RankKernel(IPythonKernel):
         self.session.send = self._counted(self.session.send)
         # identical widgets on every rank get one comm id, so the frontend shows one widget
         widgets.install(lambda: self.get_parent("shell"))
+        # output made under `if rank == 0:` is marked as the rank's own: the parent does not hold
+        # it for the other ranks (see dist_kernel.rank.branches)
+        branches.configure(cell_dir() + os.sep, getattr(type(self.shell).run_code, "__code__", None))
+        pub = getattr(self.shell, "display_pub", None)
+        if pub is not None:
+            pub.publish = _marking_branches(pub.publish)
 
     @staticmethod
     def _showing(show: Callable[..., Any]) -> Callable[..., Any]:
@@ -229,6 +235,16 @@ class RankKernel(IPythonKernel):
         super()._publish_status(status, channel, parent)
 
 
+def _marking_branches(publish: Callable[..., Any]) -> Callable[..., Any]:
+    """``display_pub.publish`` that marks a display made inside a branch on the rank."""
+    def marking_publish(data: dict, metadata: dict | None = None, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is threading.main_thread() and branches.in_rank_branch(sys._getframe(1)):
+            metadata = protocol.with_meta(metadata, {protocol.META_BRANCH: True})
+        return publish(data, metadata, *args, **kwargs)
+
+    return marking_publish
+
+
 def _interrupt_cell(signum: int, frame: Any) -> None:
     if agent.in_code():
         raise KeyboardInterrupt
@@ -309,18 +325,37 @@ class RankOutStream(OutStream):
     #: unlabelled, as one process would, and removes the mark. Text buffered before keeps its
     #: timing, so it still meets its twins from the other ranks.
     solo = False
+    #: the text buffered now was written inside a branch on the rank (``if rank == 0:``, see
+    #: :mod:`dist_kernel.rank.branches`): its stream messages are marked so (by :meth:`_mark`).
+    #: Only the main thread changes it, and only with nothing buffered, so a message is never half
+    #: marked
+    branch = False
+
+    def _mark(self, msg: dict) -> dict:
+        if self.branch and msg.get("msg_type") == "stream":
+            msg["content"]["metadata"] = protocol.with_meta(None, {protocol.META_BRANCH: True})
+        return msg
 
     def write(self, string: str) -> int | None:  # type: ignore[override]
-        if self.solo and isinstance(string, str) and string and threading.current_thread() is threading.main_thread():
-            content = {"name": self.name, "text": string, "metadata": protocol.with_meta(None, {protocol.META_SOLO: True})}
-            self.session.send(self.pub_thread, "stream", content, parent=self.parent_header, ident=self.topic)
-            return len(string)
+        if isinstance(string, str) and string and threading.current_thread() is threading.main_thread():
+            if self.solo:
+                content = {"name": self.name, "text": string,
+                           "metadata": protocol.with_meta(None, {protocol.META_SOLO: True})}
+                self.session.send(self.pub_thread, "stream", content, parent=self.parent_header, ident=self.topic)
+                return len(string)
+            branch = branches.in_rank_branch(sys._getframe(1))
+            if branch != self.branch:
+                self.flush()  # what was written before leaves marked as it was written
+                self.branch = branch
         n = super().write(string)
         self._writes += 1
         return n
 
     # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
     def _flush(self) -> None:
+        if not getattr(self._local, "marking", False):  # hooks are per thread: the sending thread's
+            self._local.marking = True
+            self.register_hook(self._mark)
         seen = self._writes
         super()._flush()
         self._flushed = seen

@@ -15,6 +15,7 @@ import time
 import pytest
 from harness import DistKernel, Result, kernel_for_module, visible
 
+from dist_kernel.parent.merge import LAG_BOUND
 from dist_kernel.parent.throttle import BURST, MAX_MESSAGE, MSG_BURST, RATE, TAIL_BYTES
 
 pytestmark = pytest.mark.slow
@@ -274,6 +275,25 @@ def test_lines_that_differ_between_lagging_ranks_are_labelled_and_identical_ones
 def test_a_line_only_rank_0_prints_keeps_its_place_between_lagging_twins(drift2):
     res = drift2.execute(lagging(0.5, "print('a')\nif rank == 0:\n    print('only rank 0')\nprint('b')"))
     assert res.stream() == "a\n[rank 0] only rank 0\nb\n"
+
+
+@pytest.mark.parametrize("show", ["print('from rank 0', flush=True)", "display('from rank 0')"])
+def test_output_only_rank_0_makes_reaches_the_client_while_the_other_ranks_still_run_silently(drift2, tmp_path, show):
+    """Not held for a rank that might merely lag (LAG_BOUND): its code says only rank 0 makes it.
+    The ranks wait, silent, until the client has seen it, and give up a second before the bound."""
+    seen = tmp_path / "seen"
+    code = (f"import os, time\nif rank == 0:\n    {show}\nt0 = time.time()\n"
+            f"while not os.path.exists({str(seen)!r}) and time.time() - t0 < {LAG_BOUND - 1}:\n"
+            f"    time.sleep(0.01)\nprint('seen' if os.path.exists({str(seen)!r}) else 'waited in vain')")
+
+    def on_output(o):
+        if "from rank 0" in o.text:
+            seen.touch()
+
+    res = drift2.execute(code, on_output=on_output)
+    assert res.status == "ok"
+    assert [o.text for o in res.outputs] == ["[rank 0] from rank 0\n" if "print" in show else "[rank 0] 'from rank 0'",
+                                             "seen\n"]
 
 
 def test_identical_carriage_return_progress_of_a_lagging_rank_is_one_line(drift2):

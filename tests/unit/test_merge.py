@@ -743,3 +743,57 @@ class TestSoloStreams:
     def test_in_a_one_rank_cell_the_mark_is_dropped_and_the_text_is_plain(self):
         out = run(CellMerger([1], W), [say_solo(0, 1, "x\n")])
         assert out == [("stream", {"name": "stdout", "text": "x\n"})]
+
+
+def say_branch(t, rank, text, name="stdout"):
+    """A stream message a rank made inside a branch on the rank (``if rank == 0: print(...)``)."""
+    return (t, rank, "stream", {"name": name, "text": text, "metadata": {"dist_kernel": {"branch": True}}})
+
+
+class TestOutputInABranchOnTheRank:
+    """Issue 19: a print that only rank 0 makes reaches the frontend within the merge window,
+    even while the other ranks still run the cell silently (they may not merely lag)."""
+
+    def test_it_is_shown_labelled_one_window_after_it_came_while_the_others_run_silently(self):
+        m = CellMerger([0, 1], W)
+        m.add(0, "stream", say_branch(0, 0, "loss 0.5\n")[3], 0.0)
+        m.poll(W - 0.01)
+        assert m.take() == []  # a twin made in step may still come within the window
+        m.poll(W)
+        assert streams(m.take()) == "[rank 0] loss 0.5\n"
+
+    def test_the_same_line_unmarked_still_waits_for_a_rank_that_may_lag(self):
+        m = CellMerger([0, 1], W)
+        m.add(0, "stream", {"name": "stdout", "text": "loss 0.5\n"}, 0.0)
+        m.poll(1.0)
+        assert m.take() == []
+
+    def test_ranks_that_both_enter_the_branch_in_step_are_merged(self):
+        out = run(CellMerger([0, 1, 2, 3], W), [say_branch(0, 0, "hi\n"), say_branch(0.02, 1, "hi\n")])
+        assert streams(out) == "[rank 0,1] hi\n"
+
+    def test_it_takes_no_place_so_later_identical_lines_still_merge_whichever_rank_leads(self):
+        loop = [say_branch(0.01 * i, 0, f"rank 0 stamp {i}\n") for i in range(50)]
+        events = [*loop, *drift({0: LINES[:30], 1: LINES[:30]}, {0: 1.5, 1: 0.6}, {0: 0.001, 1: 0.001})]
+        text = streams(run_polled(CellMerger([0, 1], W), events, end=4))
+        assert text == "".join(f"[rank 0] rank 0 stamp {i}\n" for i in range(50)) + "".join(LINES[:30])
+
+    def test_a_line_begun_in_a_branch_and_ended_outside_it_is_the_ranks_own(self):
+        m = CellMerger([0, 1], W)
+        m.add(0, "stream", say_branch(0, 0, "epoch 3: ")[3], 0.0)
+        m.add(0, "stream", {"name": "stdout", "text": "done\n"}, 0.01)
+        m.poll(0.01 + W)
+        assert streams(m.take()) == "[rank 0] epoch 3: done\n"
+
+    def test_a_display_made_in_a_branch_is_shown_after_the_window_without_the_mark(self):
+        c = {"data": {"text/plain": "table"}, "metadata": {"dist_kernel": {"branch": True}, "isolated": True}}
+        m = CellMerger([0, 1], W)
+        m.add(0, "display_data", c, 0.0)
+        m.poll(W)
+        ((t, out),) = m.take()
+        assert t == "display_data" and out["data"]["text/plain"].endswith("table")
+        assert out["metadata"]["isolated"] is True and out["metadata"]["dist_kernel"] == {"ranks": [0]}
+
+    def test_in_a_one_rank_cell_the_mark_is_dropped_and_the_text_is_plain(self):
+        out = run(CellMerger([0], W), [say_branch(0, 0, "x\n")])
+        assert out == [("stream", {"name": "stdout", "text": "x\n"})]
