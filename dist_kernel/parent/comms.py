@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from dist_kernel.exceptions import RankDiedError
-from dist_kernel.parent.merge import label_lines
+from dist_kernel.parent.merge import label_lines, unmarked
 from dist_kernel.protocol import META_CELL, with_meta
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ class CommRouter:
         if msg_type in COMM_TYPES:
             self.relay(rank, msg, parent)
         elif msg_type in OUTPUT_TYPES:
-            content = msg["content"]
+            content = unmarked(msg_type, msg["content"])
             if msg_type == "stream" and labelled:
                 content = dict(content, text=label_lines(content.get("text", ""), [rank]))
             self.publish(parent, msg_type, content, None, None)

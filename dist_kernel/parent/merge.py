@@ -18,6 +18,10 @@ the queues like a diff:
   different items (:data:`DIVERGE_AFTER`); it waits for no rank that finished, is past its
   place, or gave something else there; a rank alone is never delayed; memory bounds the wait
   too (``max_pending``, ``max_bytes``). Each rank's own order is always kept; nothing is dropped.
+- an item the rank made inside a branch on the rank (``if rank == 0:``, marked by
+  :mod:`dist_kernel.rank.branches`) waits only the window for its twins: the cell's code says
+  the other ranks may never make it. It takes no place in the rank's sequence (an extra, as a
+  diff sees it), so the ranks' later identical items still align.
 
 In a cell run by several ranks, a rank that calls ``clear_output`` on its own (the others
 have not reached the same point) or rewrites its line with ``\r`` (progress bars) would erase
@@ -100,6 +104,19 @@ def label_lines(text: str, ranks: Sequence[int]) -> str:
     """Every line of ``text`` marked as coming from these ranks."""
     prefix = label(ranks)
     return "".join(prefix + line for line in text.splitlines(keepends=True))
+
+
+def unmarked(msg_type: str, content: dict) -> dict:
+    """``content`` without the marks a rank puts on its output for the merger (``solo``,
+    ``branch``): a stream's ``metadata`` (not a field of the Jupyter stream message), a rich
+    output's ``metadata.dist_kernel``. For output shown without the merger (a comm callback's,
+    output after its cell ended)."""
+    if msg_type == "stream" and "metadata" in content:
+        return {k: v for k, v in content.items() if k != "metadata"}
+    meta = content.get("metadata")
+    if isinstance(meta, dict) and META in meta:
+        return {**content, "metadata": {k: v for k, v in meta.items() if k != META}}
+    return content
 
 
 def namespaced_display_id(display_id: str, rank: int) -> str:
@@ -365,6 +382,7 @@ class CellMerger:
         """Output of ``rank`` that arrived after the cell ended (a background thread): the
         messages to publish, labelled with the rank when ``labelled``, display ids resolved
         as in the cell."""
+        content = unmarked(msg_type, content)
         if msg_type == "stream":
             text = content.get("text", "")
             name = content.get("name", "stdout")

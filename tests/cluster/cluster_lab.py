@@ -13,6 +13,7 @@ it, and a CI machine is discarded after the run (``bash tests/cluster/lab.sh dow
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 from pathlib import Path
@@ -28,6 +29,34 @@ _skip_reason: str | None = None
 
 def lab_dir() -> Path:
     return Path(os.environ.get("LAB_DIR", "/run/dk-cluster-lab"))
+
+
+_held: dict[str, int] = {}  # "fd": the open lock file while this process holds the lab
+
+
+def hold_lab() -> None:
+    """Have the lab to this test session alone, waiting for any other session that has it (a
+    second copy of the suite on the same machine, issue 20: its link-cut test would cut our
+    nodes too, and ``lab.sh up`` needs them idle). ``lab.sh up`` and ``down`` take the same lock;
+    ``LAB_LOCK_HELD`` tells the ones this session runs that it is held. Where the lock file
+    cannot be made (not root: no lab either) nothing is held."""
+    if "fd" in _held:
+        return
+    try:
+        fd = os.open(f"{lab_dir()}.lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError:
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _held["fd"] = fd
+    os.environ["LAB_LOCK_HELD"] = "1"
+
+
+def release_lab() -> None:
+    """Let another session have the lab (this one's cluster tests are over)."""
+    fd = _held.pop("fd", None)
+    if fd is not None:
+        os.environ.pop("LAB_LOCK_HELD", None)
+        os.close(fd)
 
 
 def lab_env() -> dict[str, str] | None:

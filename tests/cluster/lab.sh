@@ -537,6 +537,15 @@ cmd_ps() {  # every process in each node namespace (pid, state, command line); -
   done
 }
 
+# One lab per machine: two copies of the suite on one machine (issue 20) take turns with it.
+# `up` and `down` wait for the lab's lock, unless the caller holds it already (LAB_LOCK_HELD=1:
+# a pytest session running its cluster lane, see tests/cluster/cluster_lab.py). flock -o: the
+# daemons `up` starts must not inherit the lock
+if [[ ${1:-} == up || ${1:-} == down ]] && [[ ${LAB_LOCK_HELD:-} != 1 && $(id -u) == 0 ]] \
+    && command -v flock >/dev/null; then
+  exec flock -o "$LAB_DIR.lock" env LAB_LOCK_HELD=1 bash "$0" "$@"
+fi
+
 case "${1:-}" in
   up) cmd_up ;;
   down) cmd_down ;;

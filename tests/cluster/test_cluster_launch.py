@@ -425,7 +425,7 @@ def launched(lab, kind: str, tmp_path: Path, agent: str = AGENT, notes: list | N
     cfg.setdefault("hosts", ("10.77.0.11", "10.77.0.12") if kind == "ssh" else ())
     cfg.setdefault("nodes", len(cfg["hosts"]) if kind == "ssh" else 2)
     launcher = cls(config(launcher=kind, **cfg),
-                   lambda node: [lab["LAB_PYTHON"], "-c", agent, token, *([] if node is None else [str(node)])],
+                   lambda node: [sys.executable, "-c", agent, token, *([] if node is None else [str(node)])],
                    str(rd), LOG, (notes if notes is not None else []).append, environ=lab)
     return launcher, token
 
@@ -598,7 +598,7 @@ def test_ssh_gives_each_host_the_bootstrap_and_its_exact_argv_and_stop_leaves_no
 def test_ssh_quotes_an_awkward_argument_exactly(lab, tmp_path):
     awkward = "it's a \"$HOME\" `id`; *"
     launcher, token = launched(lab, "ssh", tmp_path, hosts=("10.77.0.11",))
-    launcher.agent_argv = lambda node: [lab["LAB_PYTHON"], "-c", AGENT, token, awkward]
+    launcher.agent_argv = lambda node: [sys.executable, "-c", AGENT, token, awkward]
 
     async def go():
         await launcher.start(BOOTSTRAP)
@@ -670,7 +670,7 @@ def test_a_sigkilled_parent_s_launchers_and_job_are_ended_by_the_reaper(lab, kin
     # stuck agents: they ignore the EOF that the parent's death gives them, so only the reaper's
     # SIGTERM to srun (or ssh) and its scancel can end them
     agent = STUCK_AGENT if kind == "slurm" else AGENT
-    parent = subprocess.Popen([sys.executable, "-c", REAPED_PARENT, kind, token, agent, lab["LAB_PYTHON"]],
+    parent = subprocess.Popen([sys.executable, "-c", REAPED_PARENT, kind, token, agent, sys.executable],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=lab,
                               start_new_session=True)
     info = None

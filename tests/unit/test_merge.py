@@ -17,6 +17,7 @@ from dist_kernel.parent.merge import (
     merge_errors,
     namespaced_display_id,
     render_cr,
+    unmarked,
 )
 
 W = 0.1  # merge window used throughout
@@ -797,3 +798,15 @@ class TestOutputInABranchOnTheRank:
     def test_in_a_one_rank_cell_the_mark_is_dropped_and_the_text_is_plain(self):
         out = run(CellMerger([0], W), [say_branch(0, 0, "x\n")])
         assert out == [("stream", {"name": "stdout", "text": "x\n"})]
+
+
+def test_output_shown_without_the_merger_loses_the_ranks_marks():
+    assert unmarked("stream", say_branch(0, 0, "x\n")[3]) == {"name": "stdout", "text": "x\n"}
+    rich = {"data": {"text/plain": "1"}, "metadata": {"dist_kernel": {"solo": True}, "isolated": True}}
+    assert unmarked("display_data", rich) == {"data": {"text/plain": "1"}, "metadata": {"isolated": True}}
+    plain = {"name": "stdout", "text": "y\n"}
+    assert unmarked("stream", plain) is plain
+    m = CellMerger([0, 1], W)
+    m.finish(0.0)
+    assert m.late(0, "stream", say_branch(0, 0, "x\n")[3], labelled=True) == [
+        ("stream", {"name": "stdout", "text": "[rank 0] x\n"})]
