@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parent / "cluster"))  # cluster_lab, one module for every lane
 
+from cluster_lab import hold_lab, release_lab  # noqa: E402
 from harness import GROUP_SETUP, DistKernel, kernel_for_module  # noqa: E402
 
 TESTS = Path(__file__).parent
@@ -29,15 +31,43 @@ SLOW_LANES = ("kernel", "cluster")
 ARTIFACTS = Path(os.environ.get("DIST_KERNEL_TEST_ARTIFACTS", Path(__file__).parent.parent / "test-artifacts"))
 
 
+def _lane(item: pytest.Item) -> str:
+    try:
+        return Path(str(item.path)).resolve().relative_to(TESTS.resolve()).parts[0]
+    except ValueError:
+        return ""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test of a slow lane ``slow``, by its directory."""
+    """Mark every test of a slow lane ``slow``, by its directory, and every cluster test ``lab``.
+    A session that will use the cluster lab takes it now (see :func:`uses_lab`)."""
     for item in items:
-        try:
-            lane = Path(str(item.path)).resolve().relative_to(TESTS.resolve()).parts[0]
-        except ValueError:
-            continue
+        lane = _lane(item)
         if lane in SLOW_LANES:
             item.add_marker(pytest.mark.slow)
+        if lane == "cluster":
+            item.add_marker(pytest.mark.lab)
+    if not config.option.collectonly and any(uses_lab(i) for i in items):
+        hold_lab()
+
+
+# The cluster lab is one per machine: a session holds it from collection (no test's timeout runs
+# while it waits for another session, a second copy of the suite, to be done with it) to the
+# teardown of its last test marked ``lab`` (the cluster lane, and the benchmark smoke test whose
+# section 8 runs on the lab). See tests/cluster/README.md.
+def uses_lab(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("lab") is not None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if uses_lab(item):
+        hold_lab()  # held already, unless the lab's tests were not run in one stretch
+
+
+@pytest.hookimpl(trylast=True)  # after the test's module fixtures (kernels on the nodes) are torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if uses_lab(item) and not uses_lab(nextitem):
+        release_lab()
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ pytest.importorskip("psutil")
 
 
 @pytest.mark.slow
+@pytest.mark.lab  # section 8 runs on the cluster lab where it is up
 @pytest.mark.timeout(420)  # ~2 min, +1.5 min for section 8 where the cluster lab is up
 def test_quick_benchmark_writes_table_and_chart(tmp_path: Path) -> None:
     out = tmp_path / "results"
