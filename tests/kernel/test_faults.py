@@ -266,7 +266,6 @@ def test_a_flood_of_a_million_lines_on_each_of_four_ranks_stays_bounded_and_deli
         # a rate, then the tail), not the 27 MB printed: ~5 MB on a quiet machine, more on a loaded
         # one, where the same cell runs longer (13.6 MB in 30 s at a load average of 5 on 2 cores)
         assert shown < throttle.BURST + throttle.RATE * took + 4 * throttle.TAIL_BYTES + 2**20, (shown, took)
-        assert shown < 27_000_000 / 2
         assert "the end" in res.stream()  # the cell's final lines arrive
         notes = res.stream("stderr")
         spill = notes.split("saved in full to ")[1].split(" and")[0]
