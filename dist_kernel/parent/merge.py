@@ -557,13 +557,10 @@ class CellMerger:
 
     def _add_rich(self, rank: int, msg_type: str, content: dict, now: float) -> None:
         self._flush_partials(rank, now, force=True)  # keep print-then-display order
-        content = dict(content)
-        meta = content.get("metadata") or {}
-        mark = meta_of(meta)
+        mark = meta_of(content.get("metadata"))
         marked = mark.get(META_SOLO)  # the rank said this output is its alone (rank_agent.solo_output)
         branch = bool(mark.get(META_BRANCH)) and not marked and len(self.ranks) > 1
-        if mark:
-            content["metadata"] = {k: v for k, v in meta.items() if k != META}
+        content = dict(unmarked(msg_type, content))
         solo = (self.rich_from is not None or bool(marked)) and len(self.ranks) > 1
         display_id = (content.get("transient") or {}).get("display_id")
         if display_id is not None and solo:

@@ -25,4 +25,3 @@ def lab() -> dict[str, str]:
             pytest.fail("cluster lab unavailable but DIST_KERNEL_CLUSTER_TESTS=required")
         pytest.skip("cluster lab unavailable")
     return env
-
