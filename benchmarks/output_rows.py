@@ -5,7 +5,9 @@ ipykernel (median of three pairs) as ``python -m benchmarks`` measures them, plu
 3,000 identical ``display(i)`` and 100,000 identical flushed prints with rank 1 started 0.5 s late
 (seconds to idle, outputs shown, labelled ones), and how long a print made by rank 0 alone takes to
 reach the client while the other ranks are idle (finished) and while they run silently. Prints a
-JSON object; nothing is written.
+JSON object; nothing is written. ``--drift-only --ranks 2,4,8 --lags 0.5,2`` checks issue 19's
+done-when at 8 ranks too (too slow for the suite on 2 cores: ~6 min per 100,000-print cell), reading
+the spill file as well: ``once_each_unlabelled_in_order``.
 """
 
 from __future__ import annotations
@@ -28,13 +30,41 @@ SILENT = ("import time as _t\nfor _i in range({lines}):\n    if rank == 0:\n    
           "    _t.sleep(0.01)\n")
 
 
-def drift_row(k: Kernel, code: str) -> dict:
-    res = k.check(code, timeout=600)
+def drift_row(k: Kernel, code: str, expected: list[str]) -> dict:
+    """Run a drift cell; what was shown live, what went to the spill file, and whether the two
+    together are ``expected`` (each output once, unlabelled, in order)."""
+    res = k.check(code, timeout=1800)
     rich = [c for _, mt, c in res.outputs if mt == "display_data"]
     text = res.stdout()
+    live: list[str] = []
+    notes = ""
+    for _, mt, c in res.outputs:
+        if mt == "stream" and c.get("name") == "stderr":
+            notes += c.get("text", "")
+            if "saved in full to " in notes:
+                break  # what follows the note is in the file
+        elif mt == "display_data":
+            live.append(str(c.get("data", {}).get("text/plain", "")))
+        elif mt == "stream":
+            live += c.get("text", "").splitlines()
+    saved: list[str] = []
+    if "saved in full to " in notes:
+        with open(notes.split("saved in full to ")[1].split(" and")[0]) as f:
+            saved = [line.rstrip("\n") for line in f if line.strip()]
     return {"seconds": round(res.elapsed, 2), "displays": len(rich),
             "labelled_displays": sum("[rank" in str(c.get("data", {}).get("text/plain", "")) for c in rich),
-            "stdout_lines": text.count("\n"), "labelled_lines": text.count("[rank ")}
+            "stdout_lines": text.count("\n"), "labelled_lines": text.count("[rank "), "in_spill_file": len(saved),
+            "once_each_unlabelled_in_order": [x for x in live + saved if x] == expected}
+
+
+def drift_rows(k: Kernel, lags: list[float]) -> dict:
+    rows = {}
+    for lag in lags:
+        time.sleep(3)  # the output budget refills
+        rows[f"displays_3000_lag_{lag}s"] = drift_row(k, DISPLAYS.format(lag=lag), [str(i) for i in range(3000)])
+        time.sleep(3)
+        rows[f"prints_100k_lag_{lag}s"] = drift_row(k, PRINTS.format(lag=lag), ["the same line"] * 100_000)
+    return rows
 
 
 def stamp_latency(k: Kernel, code: str) -> dict:
@@ -48,14 +78,22 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.output_rows")
     p.add_argument("--ranks", default="2,4")
     p.add_argument("--lines", type=int, default=100)
+    p.add_argument("--drift-only", action="store_true",
+                   help="only the drift rows (issue 19's done-when: --ranks 2,4,8 --lags 0.5,2)")
+    p.add_argument("--lags", default="0.5", help="rank 1's lags for the drift rows, seconds")
     args = p.parse_args()
+    lags = [float(x) for x in args.lags.split(",")]
     out: dict = {}
     plain = Kernel("plain")
     try:
         for n in [int(x) for x in args.ranks.split(",")]:
             k = Kernel("dist", n)
             try:
-                k.check("import torch")
+                k.check("import torch.distributed as dist\ndist.barrier()")  # the group formed
+                if args.drift_only:
+                    out[n] = drift_rows(k, lags)
+                    print(json.dumps({n: out[n]}), flush=True)
+                    continue
                 row: dict = {"latency_ms": {}}
                 for mode in ("own", "same", "rank0"):
                     lat = measure.print_latency(k, args.lines, mode=mode)
@@ -65,10 +103,7 @@ def main() -> None:
                 plain_thr, thr = throughput_pairs(plain, k, 1.0, 3)
                 row["throughput_mb_s"] = round(thr["mb_per_s"], 2)
                 row["throughput_vs_plain"] = round(thr["mb_per_s"] / plain_thr["mb_per_s"], 3)
-                time.sleep(3)  # the output budget refills
-                row["displays_3000_lag_0.5s"] = drift_row(k, DISPLAYS.format(lag=0.5))
-                time.sleep(3)
-                row["prints_100k_lag_0.5s"] = drift_row(k, PRINTS.format(lag=0.5))
+                row.update(drift_rows(k, lags))
                 out[n] = row
                 print(json.dumps({n: row}), flush=True)
             finally:

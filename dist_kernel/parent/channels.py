@@ -9,7 +9,8 @@ channel, which the rank answers from its own thread while its shell is busy.
 A rank's frames travel on a :class:`Wire`: on this machine its own sockets, read from the
 event loop (``add_reader`` on each socket's ZMQ file descriptor); on another machine its node
 agent's connection (remote.py), which hands the frames over directly. Messages are decoded only as far as routing needs (issue 14): every
-message's HMAC signature is checked, headers are plain JSON (no date parsing), and a
+message's HMAC signature is checked, headers are plain JSON (only the date is parsed, for
+:class:`SendClock`), and a
 ``status`` other than ``idle``, an ``execute_input``, or an ``idle`` nobody listens for is
 dropped before its metadata is read. jupyter_client's channels would parse every header's
 dates, wake one ZMQ context thread per rank and pass each message through two futures.
@@ -23,6 +24,7 @@ import itertools
 import json
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any, Protocol
@@ -69,6 +71,37 @@ def _content(msg_type: str, raw: bytes) -> dict:
     content = json.loads(raw)
     _last_stream[:] = [raw, content]
     return content
+
+
+class SendClock:
+    """When a rank sent its messages, in the parent's clock (``time.monotonic``).
+
+    A message's header ``date`` is the rank's wall clock when it made the message. The offset
+    to the parent's clock is the smallest ``arrival - date`` seen so far: the rank's clock
+    skew (another machine) plus the quickest delivery. A message read later than that
+    waited somewhere between the rank and the merger (the rank's IOPub thread, the sockets,
+    a parent reading 8 ranks' floods on 2 cores), and the merger must not count that wait as
+    the rank's silence (issue 19).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._offset: float | None = None
+
+    def sent(self, date: object) -> float:
+        """When the message dated ``date`` was sent, in the parent's clock (now, if undated)."""
+        now = self.clock()
+        if not isinstance(date, str):
+            return now
+        try:
+            # Python 3.10's fromisoformat does not read the 'Z' that Jupyter writes
+            wall = datetime.fromisoformat(date[:-1] + "+00:00" if date.endswith("Z") else date).timestamp()
+        except ValueError:
+            return now
+        delay = now - wall
+        if self._offset is None or delay < self._offset:
+            self._offset = delay
+        return wall + self._offset
 
 
 class BadMessage(ValueError):
@@ -204,6 +237,7 @@ class RankChannel:
             "iopub": self._on_iopub, "shell": self._resolve_shell, "control": self._resolve, "stdin": self._route_stdin}
         self._replies_held = False
         self._heard_iopub: asyncio.Event | None = None
+        self.send_clock = SendClock()
         self.closing = False
         self.dead: Exception | None = None
 
@@ -361,6 +395,7 @@ class RankChannel:
             self._heard_iopub.set()
         header = json.loads(frames[i])
         msg_type = header["msg_type"]
+        sent = self.send_clock.sent(header.get("date"))  # every message teaches it the offset
         if msg_type == "execute_input":
             return None
         parent = json.loads(frames[i + 1])
@@ -369,7 +404,8 @@ class RankChannel:
                                      or parent.get("msg_id") not in self._listeners):
             return None
         return {"header": header, "msg_id": header["msg_id"], "msg_type": msg_type, "parent_header": parent,
-                "metadata": json.loads(frames[i + 2]), "content": content, "buffers": frames[i + 4:]}
+                "metadata": json.loads(frames[i + 2]), "content": content, "buffers": frames[i + 4:],
+                "sent": sent}
 
     def _on_iopub(self, msg: dict) -> None:
         parent_id = msg["parent_header"].get("msg_id")

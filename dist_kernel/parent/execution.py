@@ -190,7 +190,7 @@ class CellRun:
                 for late_type, late_content in self.merger.late(rank, msg_type, content, len(self.world) > 1):
                     self.publish(late_type, late_content)
                 return
-            self.merger.add(rank, msg_type, content, self.clock())
+            self.merger.add(rank, msg_type, content, self.clock(), msg.get("sent"))
             if self.merger.ready and self.clock() - self._last_flush >= MIN_FLUSH:
                 self.flush()  # publish at once, but not more often than MIN_FLUSH
 

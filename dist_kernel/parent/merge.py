@@ -14,7 +14,8 @@ the queues like a diff:
 - items are aligned by sequence, not by the clock: the k-th item of a rank is the candidate
   twin of the k-th item of the others (after the insertions a diff finds), however late it
   arrives. An item waits for a rank that has not reached its place yet while that rank is
-  running the cell, has been silent for less than :data:`LAG_BOUND`, and has not kept giving
+  running the cell, has been silent for less than :data:`LAG_BOUND` (in send times: what
+  waited between the rank and the merger does not count), and has not kept giving
   different items (:data:`DIVERGE_AFTER`); it waits for no rank that finished, is past its
   place, or gave something else there; a rank alone is never delayed; memory bounds the wait
   too (``max_pending``, ``max_bytes``). Each rank's own order is always kept; nothing is dropped.
@@ -284,18 +285,18 @@ class CellMerger:
         # rank, as a diff sees them, take no place), when the rank last gave output, how often in
         # a row its items differed from the others' at their place, and its recent twinless items
         self._place: dict[int, int] = dict.fromkeys(self.ranks, 0)
-        self._heard: dict[int, float] = {}
+        self._heard: dict[int, float] = {}  # rank -> when it sent its newest output
+        self._lag: dict[int, float] = {}  # rank -> how long its newest output took to reach the merger
         self._start: float | None = None
         self._streak: dict[int, int] = dict.fromkeys(self.ranks, 0)
         self._recent: dict[int, OrderedDict[Hashable, int]] = {r: OrderedDict() for r in self.ranks}
         self._bytes = 0
 
     # ----------------------------------------------------------------- input
-    def add(self, rank: int, msg_type: str, content: dict, now: float) -> None:
-        """Feed one IOPub output of ``rank``."""
-        self._heard[rank] = now
-        if self._start is None:
-            self._start = now
+    def add(self, rank: int, msg_type: str, content: dict, now: float, sent: float | None = None) -> None:
+        """Feed one IOPub output of ``rank``, which arrived ``now`` and was sent at ``sent``
+        (the parent's clock; default: now)."""
+        self._hear(rank, now, sent)
         if msg_type == "stream" and "metadata" in content:
             self._add_marked_stream(rank, content, now)
             return
@@ -322,7 +323,7 @@ class CellMerger:
         place among ``rank``'s outputs (an ipywidgets ``Output`` starting or stopping a
         capture: what the rank printed before must land before it). Errors the rank showed
         before it were survived: they are ordinary output."""
-        self._heard[rank] = now
+        self._hear(rank, now, None)
         self._split_chunks(now)
         self._flush_partials(rank, now, force=True)
         for item in self._held[rank]:
@@ -330,6 +331,20 @@ class CellMerger:
         self._held[rank].clear()
         self._push(rank, _Item(msg_type, ("in_order", rank, id(content)), content, now, in_order=True))
         self._drain(now)
+
+    def _hear(self, rank: int, now: float, sent: float | None) -> None:
+        """Silence is measured in send times: what waited between the rank and the merger
+        (the rank's IOPub thread, the sockets, a parent behind a flood) is not the rank's."""
+        sent = now if sent is None else min(sent, now)
+        self._heard[rank] = max(sent, self._heard.get(rank, sent))
+        self._lag[rank] = now - sent
+        if self._start is None:
+            self._start = sent
+
+    def _seen_until(self, now: float) -> float:
+        """How far the merger's view of the ranks reaches: ``now`` less the delivery lag of the
+        slowest rank's newest output (a rank's later output may still be on its way)."""
+        return now - max(self._lag.values(), default=0.0)
 
     def rank_replied(self, rank: int, reply: dict, now: float) -> None:
         """``rank``'s ``execute_reply`` content arrived: it decides the rank's status and error."""
@@ -736,6 +751,7 @@ class CellMerger:
         place = self._place[rank]
         differs = False
         window = False  # only the window is left to wait: a twin may still come by chance
+        seen: float | None = None
         for q in self.ranks:
             if q == rank:
                 continue
@@ -750,7 +766,9 @@ class CellMerger:
             if qq and not qq[0].held and (self._place[q] == place or diverged):
                 differs = True  # q gave something else here (or, diverged, gave something else now)
                 continue
-            silent = now - self._heard.get(q, self._start if self._start is not None else now)
+            if seen is None:
+                seen = self._seen_until(now)
+            silent = seen - self._heard.get(q, self._start if self._start is not None else now)
             if diverged or head.branch or silent >= self.lag_bound + self._wait(head) - self.window:
                 window = True
                 continue

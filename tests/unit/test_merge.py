@@ -646,6 +646,27 @@ class TestDrift:
         assert per_rank(text, [0, 1]) == {0: LINES, 1: LINES}
         assert "[rank" in text and text.endswith("step 299\n")  # merged again by the end
 
+    def test_a_rank_whose_output_reached_the_parent_late_is_not_silent_for_the_time_it_waited(self):
+        # 8 ranks on 2 cores: the parent reads seconds behind; rank 1 sent its line 1 s after
+        # rank 0, but it arrives past the lag bound. Silence is counted in send times
+        m = CellMerger([0, 1, 2], W)
+        m.add(0, "stream", {"name": "stdout", "text": "a\n"}, 0.0, sent=0.0)
+        m.add(2, "stream", {"name": "stdout", "text": "a\n"}, 3.0, sent=0.1)  # the parent is behind
+        m.poll(LAG_BOUND + 1)
+        assert m.take() == []  # the merger's view reaches 3 s back: rank 1 silent for 3 s only
+        m.add(1, "stream", {"name": "stdout", "text": "a\n"}, LAG_BOUND + 1.5, sent=1.0)
+        m.poll(LAG_BOUND + 2)
+        assert streams(m.take()) == "a\n"
+
+    def test_a_rank_silent_past_the_lag_bound_in_send_times_is_not_waited_for(self):
+        m = CellMerger([0, 1], W)
+        m.add(0, "stream", {"name": "stdout", "text": "a\n"}, 0.0, sent=0.0)
+        m.add(0, "stream", {"name": "stdout", "text": "b\n"}, 3.0, sent=2.0)  # read 1 s late
+        m.poll(LAG_BOUND + 0.9)
+        assert m.take() == []  # the view reaches LAG_BOUND - 0.1: rank 1 may still lag
+        m.poll(LAG_BOUND + 1)
+        assert streams(m.take()) == "[rank 0] a\n[rank 0] b\n"  # rank 1 sent nothing in LAG_BOUND of send time
+
     def test_a_lagging_rank_with_an_extra_line_is_matched_again_after_it(self):
         events = drift({0: LINES[:50], 1: ["rank 1 only\n", *LINES[:50]]}, {0: 0.0, 1: 0.5},
                        {0: 0.001, 1: 0.02})
