@@ -4,28 +4,38 @@
 across ranks by the kernel): stream text as is, rich outputs as their text/plain, on stdout
 and stderr as the notebook has them; the cell's place and time go to stderr, so stdout holds
 only the notebook's output.
+
+SIGINT (Ctrl-C) or SIGTERM (``timeout``, a batch system ending the job) stops the run: the
+running cell is abandoned, the kernel and its ranks are shut down, and the exit status is
+128 + the signal's number. nbclient's own handler only schedules the kernel's shutdown, and
+with a blocking kernel client its event loop did not even run it until the cell ended.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import nbformat
-from jupyter_client import KernelManager
+from jupyter_client import AsyncKernelManager, KernelManager
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_core.paths import jupyter_runtime_dir
+from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 from dist_kernel.kernelspec import kernel_json
 from dist_kernel.parent.cleanup import SOCKET_PATH_MAX, make_runtime_dir, owner_pid
 from dist_kernel.parent.merge import strip_ansi
+
+KM = TypeVar("KM", KernelManager, AsyncKernelManager)
 
 
 class _SpecManager(KernelSpecManager):
@@ -44,9 +54,9 @@ def spec_manager(options: list[str]) -> KernelSpecManager:
     return ksm
 
 
-def kernel_manager(options: list[str]) -> KernelManager:
-    """A KernelManager that starts the distributed kernel with ``options``, over IPC sockets."""
-    km = KernelManager(kernel_name="distributed-python", kernel_spec_manager=spec_manager(options))
+def kernel_manager(options: list[str], cls: type[KM] = KernelManager) -> KM:
+    """A kernel manager (``cls``) that starts the distributed kernel with ``options``, over IPC sockets."""
+    km = cls(kernel_name="distributed-python", kernel_spec_manager=spec_manager(options))
     km.transport = "ipc"  # nothing on TCP at all, and no warning about unencrypted TCP
     runtime = jupyter_runtime_dir()
     name = f"dist-kernel-{uuid.uuid4().hex[:12]}-ipc"
@@ -70,8 +80,27 @@ class _LiveClient(NotebookClient):
     def __init__(self, nb: nbformat.NotebookNode, **kw: Any) -> None:
         super().__init__(nb, on_cell_execute=self._cell_starts, on_cell_executed=self._cell_ends, **kw)
         self.current: int | None = None  # the index of the cell running now
+        self.stopped_by: int | None = None  # the signal that stopped the run
         self._t0 = 0.0
         self._ends_with_newline = True
+
+    def _arm_signals(self) -> None:
+        """Make SIGINT and SIGTERM stop the run, in place of the handler nbclient sets up when
+        it starts the kernel: that one only schedules the kernel's shutdown and lets the cell
+        go on waiting."""
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        if task is None:
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._stop, sig, task)
+            except (RuntimeError, ValueError):  # not the main thread: the caller's signals stay theirs
+                return
+
+    def _stop(self, sig: int, task: asyncio.Task) -> None:
+        if self.stopped_by is None:  # a second signal changes nothing: the shutdown is under way
+            self.stopped_by = sig
+            task.cancel()
 
     def _place(self, cell_index: int) -> str:
         return f"cell {cell_index + 1}/{len(self.nb.cells)}"
@@ -83,6 +112,7 @@ class _LiveClient(NotebookClient):
         self._ends_with_newline = True
 
     def _cell_starts(self, cell: nbformat.NotebookNode, cell_index: int) -> None:  # noqa: ARG002
+        self._arm_signals()
         self.current, self._t0 = cell_index, time.monotonic()
         self._rule(self._place(cell_index))
 
@@ -121,25 +151,34 @@ def run_notebook(path: str, options: list[str], output: str | None = None,
     """Execute ``path`` on the distributed kernel, showing output live; 0 on success, 1
     naming the failing cell (and the rank, in the error) when one fails."""
     nb = nbformat.read(path, as_version=4)
-    km = kernel_manager(options)
+    # async: nbclient waits for the kernel on a running event loop, where it notices a dead
+    # kernel and our signals; a blocking client waits in zmq, forever if the kernel is gone
+    km = kernel_manager(options, AsyncKernelManager)
     client = _LiveClient(nb, km=km, timeout=cell_timeout,
                          resources={"metadata": {"path": str(Path(path).resolve().parent)}})
     status = 0
     try:
         client.execute()
-    except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
-        status = 1
+    except (CellExecutionError, CellTimeoutError, DeadKernelError, asyncio.CancelledError) as e:
+        # a signal cancels the run; nbclient reports a cancelled wait as a dead kernel
+        if isinstance(e, asyncio.CancelledError) and client.stopped_by is None:
+            raise
+        status = 1 if client.stopped_by is None else 128 + client.stopped_by
         where = f"cell {client.current + 1} of {len(nb.cells)}" if client.current is not None else "a cell"
-        if isinstance(e, CellExecutionError):
-            what = f"{e.ename}: {strip_ansi(e.evalue)}"
-        elif isinstance(e, CellTimeoutError):
-            what = f"it ran longer than its timeout ({cell_timeout}s)"
+        if client.stopped_by is not None:
+            print(f"\n{path}: stopped by {signal.Signals(client.stopped_by).name} during {where}; "
+                  "shutting the kernel and its ranks down", file=sys.stderr)
         else:
-            what = "the kernel died"
-        print(f"\n{path}: {where} failed: {what}", file=sys.stderr)
+            if isinstance(e, CellExecutionError):
+                what = f"{e.ename}: {strip_ansi(e.evalue)}"
+            elif isinstance(e, CellTimeoutError):
+                what = f"it ran longer than its timeout ({cell_timeout}s)"
+            else:
+                what = "the kernel died"
+            print(f"\n{path}: {where} failed: {what}", file=sys.stderr)
     finally:
         if km.has_kernel:  # nbclient only shuts down kernels it created itself
-            km.shutdown_kernel(now=False)
+            run_sync(km.shutdown_kernel)(now=False)
         if owner_pid(os.path.dirname(km.ip)) == os.getpid():  # kernel_manager's short dir
             shutil.rmtree(os.path.dirname(km.ip), ignore_errors=True)
         if output:

@@ -136,7 +136,7 @@ class DistributedKernel(Kernel):
             sup = RankSupervisor(cfg, self.comms.on_unrouted, self.on_rank_death, log=self.log,
                                  on_stdin=self.on_rank_stdin, on_stopped=self.on_rank_stopped,
                                  extra_argv=self.extra_argv, on_note=self.on_start_note)
-            atexit.register(sup.cleanup_sync)
+            atexit.register(_last_cleanup, sup)
             self.attach(SupervisedRanks(sup))
             self.io_loop.add_callback(self.ranks.start)
 
@@ -565,6 +565,7 @@ class DistributedKernelApp(UnboundedIOPubApp):
                     lambda: asyncio.ensure_future(kernel._interrupt_busy()))
 
         def on_sigterm(*_: Any) -> None:
+            _ignore_sigterm()
             kernel = self.kernel
             if kernel is not None and kernel.ranks is not None:
                 kernel.ranks.cleanup_sync()
@@ -577,6 +578,19 @@ class DistributedKernelApp(UnboundedIOPubApp):
         super().init_kernel()
         self.kernel.dist_config = self.dist_config
         self.kernel.extra_argv = list(self.rank_argv or [])
+
+
+def _ignore_sigterm() -> None:
+    """The parent is ending its ranks on its way out: a SIGTERM now (a kernel manager's
+    escalation, sent after its shutdown request) would cut that short with SystemExit. SIGKILL
+    still ends the parent; its reaper then ends the ranks."""
+    with contextlib.suppress(ValueError):  # not the main thread
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _last_cleanup(sup: RankSupervisor) -> None:
+    _ignore_sigterm()
+    sup.cleanup_sync()
 
 
 def launch(connection_file: str, config: KernelConfig | ConfigError, extra_argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 from harness import end_process_tree
 from nbclient import NotebookClient
@@ -111,6 +113,53 @@ def test_run_shows_a_cells_output_as_it_arrives_between_the_cells_place_and_time
     # the rules go to stderr: each before and after its cell's output
     times = {r: t for t, r in lines["stderr"]}
     assert times[rules[2]] <= out["first line\n"] and times[rules[3]] >= out["second line\n"]
+
+
+def start_a_run_of_a_long_cell(tmp_path: Path) -> tuple[subprocess.Popen, list[str], list[psutil.Process]]:
+    """``dist_kernel run`` on a notebook whose second cell runs for ten minutes, once that cell
+    runs; its stderr lines (read on), and the kernel and its ranks."""
+    path = tmp_path / "long.ipynb"
+    nbformat.write(notebook("print(rank)", "import time\ntime.sleep(600)"), path)
+    proc = subprocess.Popen([sys.executable, "-m", "dist_kernel", "run", str(path), "--ranks", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
+    deadline = time.monotonic() + 180
+    while not any(line.startswith("── cell 2/2 ──") for line in err):
+        assert proc.poll() is None and time.monotonic() < deadline, err
+        time.sleep(0.2)
+    time.sleep(1)  # the cell is sent and running on the ranks
+    started = psutil.Process(proc.pid).children(recursive=True)
+    assert len([p for p in started if "dist_kernel.rank" in " ".join(p.cmdline())]) == 2
+    return proc, err, started
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_run_stopped_by_sigterm_or_ctrl_c_shuts_its_kernel_down_and_exits_at_once(tmp_path, sig):
+    # nbclient's own handler only scheduled the shutdown: the run waited out its cell (10 min)
+    proc, err, started = start_a_run_of_a_long_cell(tmp_path)
+    try:
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 128 + sig
+        _, alive = psutil.wait_procs(started, timeout=30)
+        assert alive == []  # the kernel and its ranks went with it
+        assert any(f"stopped by {sig.name} during cell 2 of 2" in line for line in err), err
+    finally:
+        end_process_tree(proc)
+
+
+def test_run_whose_kernel_is_killed_ends_naming_the_cell_instead_of_waiting_forever(tmp_path):
+    # a blocking kernel client waited in zmq for a reply from a kernel that was gone
+    proc, err, started = start_a_run_of_a_long_cell(tmp_path)
+    try:
+        (kernel,) = psutil.Process(proc.pid).children()
+        kernel.kill()
+        assert proc.wait(timeout=60) == 1
+        _, alive = psutil.wait_procs(started, timeout=30)
+        assert alive == []  # its ranks followed the kernel
+        assert any("cell 2 of 2 failed: the kernel died" in line for line in err), err
+    finally:
+        end_process_tree(proc)
 
 
 def test_run_rejects_a_bad_option_before_starting():
