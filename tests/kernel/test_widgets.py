@@ -60,9 +60,20 @@ def _saved(nb: nbformat.NotebookNode) -> tuple[list, dict]:
             return (out["output_type"], name(data[VIEW]["model_id"]))
         return (out["output_type"], data.get("text/plain"))
 
-    cells = [[shown(o) for o in c.outputs] for c in nb.cells]
+    def joined(outputs: list) -> list[tuple]:
+        # consecutive stream outputs read as one text: how a kernel's prints are cut into
+        # messages depends on timing (under load python3 itself sent 'hi4' and '\n' apart)
+        out: list[tuple] = []
+        for o in map(shown, outputs):
+            if out and o[0] == "stream" and out[-1][:2] == o[:2]:
+                out[-1] = (*o[:2], out[-1][2] + o[2])
+            else:
+                out.append(o)
+        return out
+
+    cells = [joined(c.outputs) for c in nb.cells]
     state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
-    captured = {name(k): [shown(o) for o in v["state"].get("outputs", [])]
+    captured = {name(k): joined(v["state"].get("outputs", []))
                 for k, v in state.items() if v["model_name"] == "OutputModel"}
     return cells, captured
 
