@@ -160,15 +160,15 @@ def run_notebook(path: str, options: list[str], output: str | None = None,
     try:
         client.execute()
     except (CellExecutionError, CellTimeoutError, DeadKernelError, asyncio.CancelledError) as e:
-        # a signal cancels the run; nbclient reports a cancelled wait as a dead kernel
-        if isinstance(e, asyncio.CancelledError) and client.stopped_by is None:
-            raise
-        status = 1 if client.stopped_by is None else 128 + client.stopped_by
         where = f"cell {client.current + 1} of {len(nb.cells)}" if client.current is not None else "a cell"
-        if client.stopped_by is not None:
+        if client.stopped_by is not None:  # a signal cancelled the run (nbclient may call that a dead kernel)
+            status = 128 + client.stopped_by
             print(f"\n{path}: stopped by {signal.Signals(client.stopped_by).name} during {where}; "
                   "shutting the kernel and its ranks down", file=sys.stderr)
+        elif isinstance(e, asyncio.CancelledError):
+            raise
         else:
+            status = 1
             if isinstance(e, CellExecutionError):
                 what = f"{e.ename}: {strip_ansi(e.evalue)}"
             elif isinstance(e, CellTimeoutError):
