@@ -25,11 +25,14 @@ from typing import Any, TextIO, TypeVar
 
 import nbformat
 from jupyter_client import AsyncKernelManager, KernelManager
+from jupyter_client.asynchronous import AsyncKernelClient
+from jupyter_client.channels import AsyncZMQSocketChannel
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_core.paths import jupyter_runtime_dir
 from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+from traitlets import Type
 
 from dist_kernel.kernelspec import kernel_json
 from dist_kernel.parent.cleanup import SOCKET_PATH_MAX, make_runtime_dir, owner_pid
@@ -54,9 +57,32 @@ def spec_manager(options: list[str]) -> KernelSpecManager:
     return ksm
 
 
+class _ShellChannel(AsyncZMQSocketChannel):
+    """The shell channel, sending through its asyncio socket.
+
+    ``Session.send`` writes through a blocking shadow of an asyncio socket. That send can
+    consume the socket's edge-triggered wakeup while nbclient awaits the execute_reply on the
+    same socket, and nbclient then waits forever for a reply that has arrived
+    (jupyter/nbclient#312). nbclient sends on this socket in the middle of a cell whenever an
+    ``ipywidgets.Output`` captures output (Lightning's and rich's progress bars do). The
+    asyncio socket's own send wakes the pending receive.
+    """
+
+    def send(self, msg: dict[str, Any]) -> None:
+        frames: list[Any] = self.session.serialize(msg)
+        frames.extend(msg.get("buffers") or [])
+        self.socket.send_multipart(frames)  # sent at once, or queued on the loop: never blocks
+
+
+class _AsyncClient(AsyncKernelClient):
+    shell_channel_class = Type(_ShellChannel)
+
+
 def kernel_manager(options: list[str], cls: type[KM] = KernelManager) -> KM:
     """A kernel manager (``cls``) that starts the distributed kernel with ``options``, over IPC sockets."""
     km = cls(kernel_name="distributed-python", kernel_spec_manager=spec_manager(options))
+    if isinstance(km, AsyncKernelManager):
+        km.client_factory = _AsyncClient
     km.transport = "ipc"  # nothing on TCP at all, and no warning about unencrypted TCP
     runtime = jupyter_runtime_dir()
     name = f"dist-kernel-{uuid.uuid4().hex[:12]}-ipc"

@@ -162,6 +162,24 @@ def test_run_whose_kernel_is_killed_ends_naming_the_cell_instead_of_waiting_fore
         end_process_tree(proc)
 
 
+def test_run_of_cells_whose_output_widgets_capture_prints_ends(tmp_path):
+    # nbclient answers each capture with a comm message on the shell socket; sent through
+    # Session's blocking shadow of the asyncio socket it ate the wakeup for the execute_reply,
+    # and the run waited forever inside one of these cells (Lightning's progress bar does this)
+    capture = ("out = widgets.Output()\ndisplay(out)\nfor i in range(10):\n    with out:\n        print(i)\n"
+               "    print('outside', i)")
+    path = tmp_path / "capture.ipynb"
+    nbformat.write(notebook("import ipywidgets as widgets", *[capture] * 20, "print('the end')"), path)
+    proc = subprocess.Popen([sys.executable, "-m", "dist_kernel", "run", str(path), "--ranks", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        end_process_tree(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert out.count("Output()\n") == 20 and out.count("outside 9\n") == 20 and out.endswith("the end\n")
+
+
 def test_run_rejects_a_bad_option_before_starting():
     proc = run_cli("run", str(EXAMPLE), "--backend", "mpi")
     assert proc.returncode == 2 and "--backend 'mpi' is unknown" in proc.stderr
