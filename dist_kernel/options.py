@@ -402,7 +402,12 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
         gpus = gpus[:per_node]
     if gpus and per_node > len(gpus):
         where = " on each node" if remote else ""
-        warnings.append(f"{per_node} ranks share {len(gpus)} GPU(s){where} over gloo.")
+        # seen on an H100 at 2 ranks: accelerate's DistributedDataParallel gets device_ids=[LOCAL_RANK],
+        # and rank 1 fails in the first forward pass with IndexError, as it does under torchrun
+        warnings.append(f"{per_node} ranks share {len(gpus)} GPU(s){where} over gloo. Code that puts rank "
+                        "LOCAL_RANK on GPU LOCAL_RANK fails on the ranks past the last GPU (accelerate and "
+                        "Transformers' Trainer do: IndexError in the first forward pass); plain DDP on "
+                        "`device` works.")
 
     config = KernelConfig(world_size=world, backend=backend, gpus=tuple(gpus), timeout=get("timeout"),
                           startup_timeout=get("startup_timeout"), merge_window=get("merge_window_ms"),

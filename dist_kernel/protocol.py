@@ -186,6 +186,10 @@ class Place:
     #: the cell's own code still runs; False once it has ended (its traceback is being shown,
     #: its reply sent): an interrupted rank in that state has stopped and only reports
     in_code: bool = True
+    #: how many collectives the default group has started on this rank, in a collective or
+    #: not (None without a group): a busy rank ahead of an idle one started a collective (in
+    #: C++, such as DDP's gradient all_reduce) that the idle one never entered
+    group_seq: int | None = None
 
 
 @dataclass(frozen=True)

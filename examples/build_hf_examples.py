@@ -76,7 +76,7 @@ ACCELERATE = [
     new_markdown_cell("Each process trained on its own share of the batches; together they saw every sample once per epoch."),
     new_code_cell(
         "seen = torch.cat(seen)\n"
-        "per_process = accelerator.gather(torch.tensor([len(seen)])).tolist()\n"
+        "per_process = accelerator.gather(torch.tensor([len(seen)], device=accelerator.device)).tolist()\n"
         "all_seen = accelerator.gather(seen)\n"
         "accelerator.print('samples per process over 4 epochs:', per_process)\n"
         "accelerator.print('every sample seen once per epoch:', bool((torch.bincount(all_seen, minlength=512) == 4).all()))"),

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from dist_kernel import protocol
@@ -331,14 +331,19 @@ class CellRun:
         via = self.via
         assert via is not None
         busy = [r for r in self.busy_ranks if via.alive(r)]
-        places = dict(zip(busy, await asyncio.gather(*(via.where(r) for r in busy)), strict=True))
+        # the idle ranks too: how many collectives their group started (a busy rank ahead of
+        # them waits for them in a collective started in C++, such as DDP's in backward())
+        idle = [r for r in self.state().idle if via.alive(r)]
+        found = dict(zip(busy + idle, await asyncio.gather(*(via.where(r) for r in busy + idle)), strict=True))
+        places = {r: found[r] for r in busy}
+        idle_seqs = {r: p.group_seq for r in idle if (p := found[r]) is not None and p.group_seq is not None}
         seen = {r: _seen(p) for r, p in places.items()}
         for r in self.judge.silent(seen):
             if not via.stopped(r):
                 self.notice(f"rank {r} ({via.describe(r)}) does not answer ({via.os_state(r)}): it may be stuck "
                             "in C code that holds the GIL. Press stop to end the cell, or restart the kernel.",
                             key=("silent", r))
-        verdict = self.judge.judge(self.state(), seen, self.clock())
+        verdict = self.judge.judge(replace(self.state(), idle_seqs=idle_seqs), seen, self.clock())
         if verdict.action == "wait":
             return
         await self._act(verdict, places)
@@ -491,7 +496,7 @@ def _seen(place: Place | None) -> fault_policy.Seen:
         return fault_policy.Seen(answered=False)
     return fault_policy.Seen(answered=True, collective=place.collective, group_ranks=tuple(place.group_ranks),
                              peer=place.peer, seq=place.seq, line=place.line, store_wait=place.store_wait,
-                             in_code=place.in_code)
+                             in_code=place.in_code, group_seq=place.group_seq)
 
 
 def _capture_change(msg_type: str, content: dict) -> bool:

@@ -8,8 +8,11 @@ each busy rank waits, the time) and gets back a decision. The rules:
    seconds later.
 2. **Waiting for an idle rank.** A busy rank blocked in a collective whose group holds a rank
    that is idle (finished the cell, or not selected by ``%%rank``) waits for a rank that will
-   never come. Once every busy rank is blocked in a collective, and at least one of them waits
-   for an idle rank, tear the group down on the idle ranks: the blocked ones raise at once.
+   never come. So does a busy rank whose default group has started more collectives than an
+   idle rank's: it started one in C++ that the idle rank never entered (DDP's gradient
+   all_reduce inside ``backward()``, where no torch.distributed call shows on the stack). Once
+   every busy rank is blocked in one of these ways, and at least one of them waits for an idle
+   rank, tear the group down on the idle ranks: the blocked ones raise at once.
    Grace: ``hang_grace`` after the first rank finished (or after the start, when ``%%rank``
    left ranks out), 1 s when a finished rank failed.
 3. **Mismatched collectives.** Every busy rank is blocked in a torch.distributed call, none is
@@ -72,6 +75,8 @@ class Seen:
     line: str = ""
     store_wait: bool = False  # in group creation (``new_group``), waiting in the rendezvous store
     in_code: bool = True  # the cell's code runs; False: it ended and the rank only reports (a traceback)
+    #: how many collectives its default group has started (None: no group, or torch does not say)
+    group_seq: int | None = None
 
     @property
     def blocked(self) -> bool:
@@ -92,6 +97,8 @@ class Cell:
     interrupted_at: float | None = None
     hang_grace: float = 10.0
     torn_down: bool = False  # the group was torn down during this cell
+    #: idle ranks' default-group collective counts, as a look found them
+    idle_seqs: dict[int, int] = field(default_factory=dict)
 
     @property
     def idle(self) -> tuple[int, ...]:
@@ -199,9 +206,11 @@ class Judge:
 
     def _waiting_for_idle(self, cell: Cell, busy: list[int], seen: dict[int, Seen]) -> Verdict:
         idle = set(cell.idle)
-        if not busy or any(not (r in seen and seen[r].blocked) for r in busy):
+        ahead = {r: _behind(cell, seen[r]) for r in busy if r in seen}
+        if not busy or any(not (r in seen and (seen[r].blocked or ahead[r])) for r in busy):
             return WAIT  # someone still computes (or did not answer): it may yet finish
-        waiting = {r: sorted(idle & set(seen[r].group_ranks or cell.world)) for r in busy}
+        waiting = {r: sorted(idle & set(seen[r].group_ranks or cell.world)) if seen[r].blocked else ahead[r]
+                   for r in busy}
         if not any(waiting.values()):
             return WAIT
         stuck = {r: f"rank {r} was blocked in {_blocked_in(seen[r])}, which rank "
@@ -292,8 +301,19 @@ def remote_culprit(causes: Iterable[RemoteCause]) -> RemoteCause:
     return min(heard, key=lambda c: (_REMOTE_ORDER.index(c.kind), heard.index(c)))
 
 
+def _behind(cell: Cell, s: Seen) -> list[int]:
+    """The idle ranks whose default group started fewer collectives than this busy rank's: it
+    started one they never entered, and cannot finish it while they are idle."""
+    if not s.answered or s.group_seq is None:
+        return []
+    return sorted(r for r, seq in cell.idle_seqs.items() if r in cell.idle and seq < s.group_seq)
+
+
 def _blocked_in(s: Seen) -> str:
     """Where a blocked rank waits, in words."""
+    if s.collective is None:  # ahead of an idle rank (rule 2): nothing on the stack names it
+        return "a collective that torch started without a torch.distributed call (DDP's gradient all_reduce " \
+               "in backward(), say)"
     if s.store_wait:
         return f"torch.distributed.{s.collective}() (group creation, which every rank must enter)"
     return f"torch.distributed.{s.collective}()"

@@ -135,7 +135,8 @@ def where() -> Place:
     frame = sys._current_frames().get(threading.main_thread().ident)
     busy = bool(_state.get("busy"))
     if frame is None:
-        return Place(collective=None, group_ranks=[], peer=None, seq=None, stack=[], line="", busy=busy)
+        return Place(collective=None, group_ranks=[], peer=None, seq=None, stack=[], line="", busy=busy,
+                     group_seq=group_seq())
     collective, dist_frame, public = None, None, None
     f: FrameType | None = frame
     while f is not None:  # the innermost torch.distributed call, with its arguments
@@ -162,7 +163,7 @@ def where() -> Place:
     cell = [fs for fs in summary if _short(fs.filename) == "cell"]
     line = f"line {cell[-1].lineno}: {cell[-1].line}" if cell else ""
     return Place(collective=collective, group_ranks=group_ranks, peer=peer, seq=seq, stack=stack,
-                 line=line, busy=busy, store_wait=store_wait, in_code=in_code())
+                 line=line, busy=busy, store_wait=store_wait, in_code=in_code(), group_seq=group_seq())
 
 
 def _group_info(group: object) -> tuple[list[int], int | None]:

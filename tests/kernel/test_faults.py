@@ -44,6 +44,43 @@ def test_one_rank_raising_while_the_other_waits_in_a_collective_ends_the_cell(fa
     assert_group_works_and_variables_survived(fault_kernel)
 
 
+DDP_STEP = "model = DDP(torch.nn.Linear(8, 1))\nloss = model(torch.randn(4, 8)).sum()\n"
+
+
+def test_one_rank_raising_before_a_ddp_backward_ends_the_cell_within_seconds(fault_kernel):
+    # rank 0 waits in DDP's gradient all_reduce, started in C++: no torch.distributed call on
+    # its stack. It waited for the 30-minute collective timeout, rank 1's error unseen, and after
+    # the stop button it was left running, so every later cell hung
+    fault_kernel.execute("from torch.nn.parallel import DistributedDataParallel as DDP")
+    started = time.monotonic()
+    res = fault_kernel.execute(DDP_STEP + "if rank == 1:\n    raise IndexError('list index out of range')\n"
+                               "loss.backward()", timeout=60)
+    took = time.monotonic() - started
+    err = error_of(res)
+    assert "rank 1: IndexError: list index out of range" in err["evalue"]
+    assert ("rank 0: CollectiveHangError: rank 0 was blocked in a collective that torch started without a "
+            "torch.distributed call (DDP's gradient all_reduce in backward(), say), which rank 1 never entered"
+            ) in err["evalue"]
+    text = "\n".join(err["traceback"])
+    assert "loss.backward()" in text and "re-formed" in text
+    assert took < 45, took
+    assert_group_works_and_variables_survived(fault_kernel)
+    # a DDP model made again on the re-formed group trains
+    res = fault_kernel.execute(DDP_STEP + "loss.backward()\nprint('trained', rank)", timeout=60)
+    assert res.status == "ok" and res.stream() == "[rank 0] trained 0\n[rank 1] trained 1\n"
+
+
+def test_a_long_backward_on_one_rank_while_the_other_finished_is_left_alone(fault_kernel):
+    # level counts: rank 0 started no collective rank 1 did not, so it may yet finish
+    res = fault_kernel.execute("x = torch.ones(1, requires_grad=True)\nif rank == 0:\n"
+                               "    class Slow(torch.autograd.Function):\n"
+                               "        @staticmethod\n        def forward(ctx, x): return x * 2\n"
+                               "        @staticmethod\n        def backward(ctx, g):\n"
+                               "            time.sleep(5)\n            return g * 2\n"
+                               "    Slow.apply(x).sum().backward()\nprint('done')", timeout=60)
+    assert res.status == "ok" and res.stream() == "done\n"
+
+
 def test_a_collective_in_a_single_rank_cell_is_reported_with_its_stack(fault_kernel):
     res = fault_kernel.execute("%%rank 0\nt = torch.ones(1)\ndist.all_reduce(t)", timeout=30)
     err = error_of(res)

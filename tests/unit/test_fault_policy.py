@@ -71,6 +71,47 @@ def test_a_long_computation_while_others_finished_is_left_alone():
     assert Judge().judge(cell(busy=(0,), first_finished=0.0), {0: COMPUTING}, now=60.0).action == "wait"
 
 
+def in_backward(group_seq: int | None) -> Seen:
+    """A rank in ``loss.backward()`` of a DDP model: no torch.distributed call on its stack."""
+    return Seen(answered=True, collective=None, line="line 4: loss.backward()", group_seq=group_seq)
+
+
+def test_a_rank_that_started_a_collective_in_cpp_which_a_failed_rank_never_entered_is_torn_down_on_it():
+    # rank 1 raised before backward(); rank 0's DDP all_reduce (collective #4) waits for it
+    c = cell(busy=(0,), first_finished=1.0, errored=True, idle_seqs={1: 3})
+    v = Judge().judge(c, {0: in_backward(4)}, now=2.0)
+    assert v.action == "teardown" and v.teardown_on == (1,) and v.ename == "CollectiveHangError"
+    assert v.stuck[0] == ("rank 0 was blocked in a collective that torch started without a torch.distributed call "
+                          "(DDP's gradient all_reduce in backward(), say), which rank 1 never entered (idle: "
+                          "finished or not selected by %%rank)")
+
+
+def test_a_computation_that_started_no_collective_beyond_the_idle_ranks_is_left_alone():
+    c = cell(busy=(0,), first_finished=0.0, idle_seqs={1: 4})
+    assert Judge().judge(c, {0: in_backward(4)}, now=60.0).action == "wait"  # level: a long backward
+    assert Judge().judge(c, {0: in_backward(3)}, now=60.0).action == "wait"  # behind: it may yet catch up
+    assert Judge().judge(c, {0: in_backward(None)}, now=60.0).action == "wait"  # torch did not say
+
+
+def test_a_rank_ahead_of_an_idle_rank_whose_count_is_unknown_is_left_alone():
+    assert Judge().judge(cell(busy=(0,), first_finished=0.0), {0: in_backward(9)}, now=60.0).action == "wait"
+
+
+def test_a_rank_ahead_is_torn_down_only_when_every_busy_rank_is_blocked():
+    c = Cell(ranks=(0, 1, 2), world=(0, 1, 2), busy=(0, 1), first_finished=0.0, idle_seqs={2: 3})
+    assert Judge().judge(c, {0: in_backward(4), 1: COMPUTING}, now=60.0).action == "wait"
+    v = Judge().judge(c, {0: in_backward(4), 1: in_backward(4)}, now=60.0)
+    assert v.action == "teardown" and v.teardown_on == (2,) and set(v.stuck) == {0, 1}
+
+
+def test_an_interrupt_of_a_rank_ahead_of_an_idle_rank_is_one_keyboard_interrupt():
+    c = cell(busy=(0,), first_finished=10.5, interrupted_at=10.0, idle_seqs={1: 3})
+    v = Judge().judge(c, {0: in_backward(4)}, now=11.0)
+    assert v.action == "teardown" and v.ename == "KeyboardInterrupt" and v.teardown_on == (1,)
+    assert v.stuck == {0: "rank 0 was interrupted while blocked in a collective that torch started without a "
+                          "torch.distributed call (DDP's gradient all_reduce in backward(), say)"}
+
+
 def test_a_sub_group_collective_whose_members_are_all_busy_is_left_alone():
     c = Cell(ranks=(0, 1, 2), world=(0, 1, 2), busy=(0, 1), first_finished=0.0)
     seen = {0: blocked("all_reduce", group=(0, 1)), 1: blocked("all_reduce", group=(0, 1))}
