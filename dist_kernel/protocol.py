@@ -190,6 +190,8 @@ class Place:
     #: not (None without a group): a busy rank ahead of an idle one started a collective (in
     #: C++, such as DDP's gradient all_reduce) that the idle one never entered
     group_seq: int | None = None
+    #: the main thread is in autograd's backward pass (C++), where DDP starts its all_reduce
+    in_backward: bool = False
 
 
 @dataclass(frozen=True)

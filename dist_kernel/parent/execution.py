@@ -496,7 +496,8 @@ def _seen(place: Place | None) -> fault_policy.Seen:
         return fault_policy.Seen(answered=False)
     return fault_policy.Seen(answered=True, collective=place.collective, group_ranks=tuple(place.group_ranks),
                              peer=place.peer, seq=place.seq, line=place.line, store_wait=place.store_wait,
-                             in_code=place.in_code, group_seq=place.group_seq)
+                             in_code=place.in_code, group_seq=place.group_seq,
+                             in_backward=place.in_backward)
 
 
 def _capture_change(msg_type: str, content: dict) -> bool:

@@ -8,9 +8,11 @@ each busy rank waits, the time) and gets back a decision. The rules:
    seconds later.
 2. **Waiting for an idle rank.** A busy rank blocked in a collective whose group holds a rank
    that is idle (finished the cell, or not selected by ``%%rank``) waits for a rank that will
-   never come. So does a busy rank whose default group has started more collectives than an
-   idle rank's: it started one in C++ that the idle rank never entered (DDP's gradient
-   all_reduce inside ``backward()``, where no torch.distributed call shows on the stack). Once
+   never come. So does a busy rank in ``backward()`` whose default group has started more
+   collectives than an idle rank's: it started one in C++ that the idle rank never entered
+   (DDP's gradient all_reduce, where no torch.distributed call shows on the stack). The count
+   is torch's, point-to-point calls included, so ranks that sent to each other in earlier
+   cells are ahead of a third for good: only a rank in ``backward()`` is judged by it. Once
    every busy rank is blocked in one of these ways, and at least one of them waits for an idle
    rank, tear the group down on the idle ranks: the blocked ones raise at once.
    Grace: ``hang_grace`` after the first rank finished (or after the start, when ``%%rank``
@@ -77,6 +79,7 @@ class Seen:
     in_code: bool = True  # the cell's code runs; False: it ended and the rank only reports (a traceback)
     #: how many collectives its default group has started (None: no group, or torch does not say)
     group_seq: int | None = None
+    in_backward: bool = False  # in autograd's backward pass (C++), where DDP starts its all_reduce
 
     @property
     def blocked(self) -> bool:
@@ -302,9 +305,10 @@ def remote_culprit(causes: Iterable[RemoteCause]) -> RemoteCause:
 
 
 def _behind(cell: Cell, s: Seen) -> list[int]:
-    """The idle ranks whose default group started fewer collectives than this busy rank's: it
-    started one they never entered, and cannot finish it while they are idle."""
-    if not s.answered or s.group_seq is None:
+    """The idle ranks whose default group started fewer collectives than this busy rank's, which
+    is in ``backward()``: it started one they never entered, and cannot finish it while they
+    are idle."""
+    if not s.answered or s.group_seq is None or not s.in_backward:
         return []
     return sorted(r for r, seq in cell.idle_seqs.items() if r in cell.idle and seq < s.group_seq)
 

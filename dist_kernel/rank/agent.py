@@ -137,9 +137,11 @@ def where() -> Place:
     if frame is None:
         return Place(collective=None, group_ranks=[], peer=None, seq=None, stack=[], line="", busy=busy,
                      group_seq=group_seq())
-    collective, dist_frame, public = None, None, None
+    collective, dist_frame, public, backward = None, None, None, False
     f: FrameType | None = frame
     while f is not None:  # the innermost torch.distributed call, with its arguments
+        if f.f_code.co_name == "_engine_run_backward" and "/torch/autograd/" in f.f_code.co_filename:
+            backward = True  # in C++ autograd, where DDP starts its gradient all_reduce
         if f.f_code.co_filename.endswith("distributed_c10d.py") and f.f_code.co_name not in _WRAPPERS:
             collective, dist_frame = f.f_code.co_name, f
         if "/torch/distributed/" in f.f_code.co_filename and not f.f_code.co_name.startswith("_") \
@@ -163,7 +165,8 @@ def where() -> Place:
     cell = [fs for fs in summary if _short(fs.filename) == "cell"]
     line = f"line {cell[-1].lineno}: {cell[-1].line}" if cell else ""
     return Place(collective=collective, group_ranks=group_ranks, peer=peer, seq=seq, stack=stack,
-                 line=line, busy=busy, store_wait=store_wait, in_code=in_code(), group_seq=group_seq())
+                 line=line, busy=busy, store_wait=store_wait, in_code=in_code(), group_seq=group_seq(),
+                 in_backward=backward)
 
 
 def _group_info(group: object) -> tuple[list[int], int | None]:

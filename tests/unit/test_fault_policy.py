@@ -73,7 +73,7 @@ def test_a_long_computation_while_others_finished_is_left_alone():
 
 def in_backward(group_seq: int | None) -> Seen:
     """A rank in ``loss.backward()`` of a DDP model: no torch.distributed call on its stack."""
-    return Seen(answered=True, collective=None, line="line 4: loss.backward()", group_seq=group_seq)
+    return Seen(answered=True, collective=None, line="line 4: loss.backward()", group_seq=group_seq, in_backward=True)
 
 
 def test_a_rank_that_started_a_collective_in_cpp_which_a_failed_rank_never_entered_is_torn_down_on_it():
@@ -95,6 +95,14 @@ def test_a_computation_that_started_no_collective_beyond_the_idle_ranks_is_left_
 
 def test_a_rank_ahead_of_an_idle_rank_whose_count_is_unknown_is_left_alone():
     assert Judge().judge(cell(busy=(0,), first_finished=0.0), {0: in_backward(9)}, now=60.0).action == "wait"
+
+
+def test_a_rank_ahead_outside_backward_is_left_alone():
+    # the count includes point-to-point calls: ranks 0 and 1 that sent to each other earlier
+    # stay ahead of rank 2 for good, and may compute for long while it is idle
+    c = Cell(ranks=(0, 1, 2), world=(0, 1, 2), busy=(0, 1), first_finished=0.0, idle_seqs={2: 3})
+    computing = Seen(answered=True, collective=None, line="line 3: x = heavy()", group_seq=9)
+    assert Judge().judge(c, {0: computing, 1: computing}, now=60.0).action == "wait"
 
 
 def test_a_rank_ahead_is_torn_down_only_when_every_busy_rank_is_blocked():
