@@ -331,12 +331,15 @@ class CellRun:
         via = self.via
         assert via is not None
         busy = [r for r in self.busy_ranks if via.alive(r)]
-        # the idle ranks too: how many collectives their group started (a busy rank ahead of
-        # them waits for them in a collective started in C++, such as DDP's in backward())
-        idle = [r for r in self.state().idle if via.alive(r)]
-        found = dict(zip(busy + idle, await asyncio.gather(*(via.where(r) for r in busy + idle)), strict=True))
-        places = {r: found[r] for r in busy}
-        idle_seqs = {r: p.group_seq for r in idle if (p := found[r]) is not None and p.group_seq is not None}
+        places = dict(zip(busy, await asyncio.gather(*(via.where(r) for r in busy)), strict=True))
+        idle_seqs: dict[int, int] = {}
+        if any(p is not None and p.in_backward for p in places.values()):
+            # how many collectives the idle ranks' group started: a busy rank in backward()
+            # ahead of them waits for them (DDP's all_reduce, started in C++); asked only then
+            idle = [r for r in self.state().idle if via.alive(r)]
+            for r, p in zip(idle, await asyncio.gather(*(via.where(r) for r in idle)), strict=True):
+                if p is not None and p.group_seq is not None:
+                    idle_seqs[r] = p.group_seq
         seen = {r: _seen(p) for r, p in places.items()}
         for r in self.judge.silent(seen):
             if not via.stopped(r):
