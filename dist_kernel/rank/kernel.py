@@ -373,6 +373,12 @@ class RankKernelApp(UnboundedIOPubApp):
     kernel_class = RankKernel
     outstream_class = "dist_kernel.rank.kernel.RankOutStream"
 
+    def init_kernel(self) -> None:
+        """Create the kernel, its history kept in memory on every rank but rank 0 (see
+        :func:`history_in_memory`)."""
+        history_in_memory(self.config, os.environ.get("DIST_KERNEL_RANK"))
+        super().init_kernel()
+
     def init_control(self, context: Any) -> None:
         super().init_control(context)
         # no subshells: only the parent talks to a rank, and it never asks for one. Without the
@@ -380,6 +386,24 @@ class RankKernelApp(UnboundedIOPubApp):
         # through a second thread and an inproc socket (a quarter of a rank's CPU per cell)
         # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
         self.shell_channel_thread = None
+
+
+def history_in_memory(config: Any, rank: str | None) -> bool:
+    """Keep IPython's input history in memory on every rank but rank 0; True where it did.
+
+    Every rank would otherwise write each cell to the user's one ``history.sqlite``, and each
+    commit fsyncs under the file's lock: N ranks queue on it, the losers back off for up to
+    100 ms, and the file receives every cell N times (issue 26). Rank 0 keeps the user's file,
+    so history carries across sessions as in a plain kernel (the parent asks rank 0 for
+    ``history_request``); the others keep ``_``, ``Out``, ``_i`` and ``%history`` in memory.
+    The rest of the user's ``HistoryManager`` configuration (``enabled``, ``db_log_output``,
+    ...) applies on every rank; a ``hist_file`` of theirs is rank 0's alone, or the ranks would
+    take turns on it again.
+    """
+    if rank in (None, "", "0"):
+        return False
+    config.HistoryManager.hist_file = ":memory:"
+    return True
 
 
 def main() -> None:
