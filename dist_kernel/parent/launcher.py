@@ -79,6 +79,13 @@ class GangLauncher(abc.ABC):
     #: hears for a moment, names the cause and stops every rank
     on_fault: Callable[[RemoteCause], None] = staticmethod(lambda cause: None)  # type: ignore[assignment]
 
+    #: told when one rank's process may have changed (exited, stopped, continued): the supervisor
+    #: looks at that rank alone, so an idle parent costs nothing per rank (issue 26)
+    on_change: Callable[[RankHandle], None] = staticmethod(lambda handle: None)  # type: ignore[assignment]
+
+    #: whether :attr:`on_change` hears every change; if not, the supervisor polls every rank
+    watches = False
+
     @abc.abstractmethod
     def start(self, ranks: int) -> AsyncIterator[RankHandle]:
         """Start ``ranks`` ranks, yielding each handle once its process exists. The caller
@@ -158,6 +165,70 @@ def file_tail(path: str, lines: int = 30) -> str:
 
 
 # ============================================================================ this machine
+class ProcessEvents:
+    """Hears the parent's own child processes change, without polling them (issue 26).
+
+    An exit wakes the event loop through the process's pidfd (Linux 5.3+), naming the process
+    at once; a stop (SIGSTOP, a debugger) and a continue arrive as SIGCHLD, after which
+    ``waitid`` names each child that stopped or continued. Neither reaps a process: jupyter_client's
+    ``poll()`` still collects the exit code. ``available`` is False where either is missing
+    (another OS, a loop off the main thread): the supervisor then polls as before.
+    """
+
+    def __init__(self, on_event: Callable[[int], None]) -> None:
+        self.on_event = on_event
+        self._fds: dict[int, int] = {}  # pid -> pidfd
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.available = hasattr(os, "pidfd_open") and hasattr(os, "waitid") and hasattr(signal, "SIGCHLD")
+
+    def watch(self, pid: int) -> None:
+        """Hear ``pid``'s exit, stops and continues (``pid`` is a child of this process)."""
+        if not self.available:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            if self._loop is None:
+                loop.add_signal_handler(signal.SIGCHLD, self._stopped_or_continued)
+                self._loop = loop
+            fd = os.pidfd_open(pid)
+        except (OSError, ValueError, RuntimeError, NotImplementedError):
+            self.available = False  # the supervisor polls; an exit already gone is seen there too
+            return
+        self._fds[pid] = fd
+        loop.add_reader(fd, self._exited, pid)
+
+    def _exited(self, pid: int) -> None:
+        self._forget(pid)
+        self.on_event(pid)
+
+    def _stopped_or_continued(self) -> None:
+        flags = os.WSTOPPED | os.WCONTINUED | os.WNOHANG  # no WEXITED: exits stay for poll() to reap
+        while True:
+            try:
+                info = os.waitid(os.P_ALL, 0, flags)
+            except ChildProcessError:
+                return
+            if info is None:
+                return
+            if info.si_pid in self._fds:
+                self.on_event(info.si_pid)
+
+    def _forget(self, pid: int) -> None:
+        fd = self._fds.pop(pid, None)
+        if fd is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(fd)
+            os.close(fd)
+
+    def close(self) -> None:
+        """Stop hearing (the ranks are being ended: their exits are no news)."""
+        for pid in list(self._fds):
+            self._forget(pid)
+        if self._loop is not None:
+            self._loop.remove_signal_handler(signal.SIGCHLD)
+            self._loop = None
+
+
 class _RankSpecManager(KernelSpecManager):
     """Hands jupyter_client the rank kernel's spec, bound to this interpreter."""
 
@@ -242,6 +313,13 @@ class LocalLauncher(GangLauncher):
         self.runtime_dir = runtime_dir
         self.extra_argv = list(extra_argv or [])
         self.ranks: dict[int, LocalRank] = {}
+        self._exits = ProcessEvents(self._changed_pid)
+        self.watches = self._exits.available
+
+    def _changed_pid(self, pid: int) -> None:
+        handle = next((h for h in self.ranks.values() if h.pid == pid), None)
+        if handle is not None:
+            self.on_change(handle)
 
     def env(self, rank: int) -> dict[str, str]:
         """A rank's environment: what torchrun sets, plus the kernel's own variables."""
@@ -269,6 +347,8 @@ class LocalLauncher(GangLauncher):
         with open(handle.log_path, "wb") as log_file:  # noqa: ASYNC230 - tiny local file
             await km.start_kernel(env=self.env(rank), cwd=os.getcwd(), stdout=log_file,
                                   stderr=log_file, stdin=subprocess.DEVNULL)
+        if handle.pid is not None:
+            self._exits.watch(handle.pid)
         self.record()
         return handle
 
@@ -286,6 +366,7 @@ class LocalLauncher(GangLauncher):
                 pass
             await handle.kill()
 
+        self._exits.close()
         await asyncio.gather(*(one(h) for h in self.ranks.values()), return_exceptions=True)
 
     def stop_now(self) -> None:

@@ -347,6 +347,8 @@ class RemoteLauncher(GangLauncher):
     take the gang (a node lost, an agent ending, a rank that exited, the launcher gone) go to
     :attr:`on_fault`."""
 
+    watches = True  # the agents' beats and exit events reach on_change (see _track)
+
     def __init__(self, config: KernelConfig, runtime_dir: str, extra_argv: list[str], log: logging.Logger,
                  on_note: Callable[[str], None]) -> None:
         self.config = config
@@ -514,8 +516,10 @@ class RemoteLauncher(GangLauncher):
         if kind == "beat":
             for rank_text, st in event.get("ranks", {}).items():
                 proc = self.processes.get(int(rank_text))
-                if proc is not None:
-                    proc.state = str(st.get("state") or "")
+                state = str(st.get("state") or "")
+                if proc is not None and proc.state != state:
+                    proc.state = state
+                    self.on_change(proc)
             return
         if self.stopped:
             return
@@ -528,6 +532,7 @@ class RemoteLauncher(GangLauncher):
             if proc is not None and proc.returncode is None:
                 proc.log = str(event.get("log") or "")
                 proc.returncode = code = int(event["code"])
+                self.on_change(proc)
                 # SIGTERM comes from outside (scancel, a time limit): the agent's own word names it better
                 self.on_fault(RemoteCause("terminated" if code == -signal.SIGTERM else "exited",
                                           f"rank {proc.rank} on {proc.host} {describe_exit(code)}", (proc.rank,)))

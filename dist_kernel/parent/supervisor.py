@@ -99,6 +99,7 @@ class RankSupervisor:
         self.runtime_dir = make_runtime_dir()
         self.launcher = self._launcher(config, list(extra_argv or []), on_note or (lambda text: None))
         self.launcher.on_fault = self._on_fault  # type: ignore[method-assign]
+        self.launcher.on_change = self._changed  # type: ignore[method-assign]
         self.ranks: dict[int, Rank] = {}
         self.generation = 0
         # one seed for all ranks of this start (a fresh one per restart, unless --seed)
@@ -180,6 +181,7 @@ class RankSupervisor:
         rank = process.rank
         r = Rank(rank=rank, process=process)
         self.ranks[rank] = r
+        self._changed(process)  # a change the launcher heard before the rank was known here
         connection, wire = process.wire()
 
         async def alive() -> bool:
@@ -314,29 +316,43 @@ class RankSupervisor:
 
     # ------------------------------------------------------------ liveness
     async def _watch(self, interval: float = 0.2) -> None:
-        """Notice a rank process that exits or is stopped, or the launcher failing; tell the kernel."""
+        """Notice the launcher failing; and, where the launcher cannot tell of each rank's changes
+        (:attr:`GangLauncher.watches`), a rank process that exits or is stopped. Where it can, a
+        rank is looked at only when it changed (:meth:`_changed`): an idle parent does no work
+        per rank, however many there are."""
         while not self.closing:
             if self.ready.is_set():
                 failure = self.launcher.failure()  # srun or ssh ended: scancel, a time limit, a lost link
                 if failure:
                     self._on_fault(RemoteCause("launcher", failure))
-            for r in list(self.ranks.values()):
-                if not r.alive:
-                    continue
-                await r.process.poll()
-                reason = r.process.exit_reason()
-                # while a fault that takes the gang settles (scancel SIGTERMs every rank), the
-                # ranks die of its cause, named once it is known (_report_fault)
-                if reason and not self._causes:
-                    self._died(r, reason)
-                    continue
-                state = r.process.os_state()
-                stopped = state_words(state) if state in STOPPED else ""
-                if stopped != r.stopped:
-                    r.stopped = stopped
-                    with contextlib.suppress(Exception):
-                        self.on_stopped(r.rank, stopped)  # "" when it runs again
+            if not self.launcher.watches:
+                for r in list(self.ranks.values()):
+                    await self._look_at(r)
             await asyncio.sleep(interval)
+
+    def _changed(self, handle: RankHandle) -> None:
+        """The launcher heard a rank's process change (exit, stop, continue): look at it."""
+        r = self.ranks.get(handle.rank)
+        if r is not None and r.process is handle and not self.closing:
+            asyncio.ensure_future(self._look_at(r))
+
+    async def _look_at(self, r: Rank) -> None:
+        """Tell the kernel of a rank that exited, was stopped, or runs again."""
+        if not r.alive:
+            return
+        await r.process.poll()
+        reason = r.process.exit_reason()
+        # while a fault that takes the gang settles (scancel SIGTERMs every rank), the
+        # ranks die of its cause, named once it is known (_report_fault)
+        if reason and not self._causes:
+            self._died(r, reason)
+            return
+        state = r.process.os_state()
+        stopped = state_words(state) if state in STOPPED else ""
+        if stopped != r.stopped:
+            r.stopped = stopped
+            with contextlib.suppress(Exception):
+                self.on_stopped(r.rank, stopped)  # "" when it runs again
 
     def _died(self, r: Rank, reason: str) -> None:
         """A rank is gone: fail what waits on it and tell the kernel (once)."""
