@@ -99,7 +99,7 @@ class Kernel:
     def execute(self, code: str, timeout: float = 300, keep_outputs: bool = True) -> CellTiming:
         """Run ``code``; time from sending the request to the kernel's idle status on IOPub."""
         t0 = time.perf_counter()
-        msg_id = self.kc.execute(code, store_history=False)
+        msg_id = self.kc.execute(code, store_history=True, silent=False)  # as JupyterLab sends every cell
         outputs: list[tuple[float, str, dict]] = []
         while True:
             msg = self.kc.get_iopub_msg(timeout=timeout)

@@ -102,3 +102,21 @@ def test_idle_only_writes_its_section(tmp_path: Path) -> None:
     res = json.loads((out / "idle.json").read_text())
     assert res["meta"]["only"] == "idle" and not res["dist"]
     _check_idle(res)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_scale_benchmark_writes_its_table_json_and_chart(tmp_path: Path) -> None:
+    out = tmp_path / "scale"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--ranks", "2", "--reps", "10", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads((out / "scale.json").read_text())
+    row = res["rows"]["2"]
+    for key in ("x = 1", "%%rank 0", "print(1)", "plain", "ipyparallel"):
+        assert row[key]["n"] == 10, (key, row[key])
+    assert row["parent_cpu_ms_per_cell"] > 0 and row["ratio_to_ipyparallel"] > 0
+    md = (out / "scale.md").read_text()
+    assert "| 2 |" in md and "store_history=True" in md
+    assert (out / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -19,12 +19,14 @@ async def _next(events: asyncio.Queue, timeout: float = 10) -> int:
 
 @pytest.mark.timeout(60)
 def test_a_child_that_stops_continues_and_exits_is_named_each_time_and_its_exit_code_stays_for_poll():
+    # started as jupyter_client starts a rank: a plain Popen child of this process
+    quiet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
     async def scenario() -> None:
         events: asyncio.Queue[int] = asyncio.Queue()
         watcher = ProcessEvents(events.put_nowait)
         assert watcher.available, "Linux with pidfd_open: the event path, not the polling fallback"
-        quiet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         try:
             watcher.watch(child.pid)
             child.send_signal(signal.SIGSTOP)
@@ -40,8 +42,10 @@ def test_a_child_that_stops_continues_and_exits_is_named_each_time_and_its_exit_
             assert child.poll() == -signal.SIGKILL
         finally:
             watcher.close()
-            for p in (quiet, child):
-                p.kill()
-                p.wait()
 
-    asyncio.run(scenario())
+    try:
+        asyncio.run(scenario())
+    finally:
+        for p in (quiet, child):
+            p.kill()
+            p.wait()
