@@ -78,7 +78,7 @@ class _AsyncClient(AsyncKernelClient):
     shell_channel_class = Type(_ShellChannel)
 
 
-def kernel_manager(options: list[str], cls: type[KM] = KernelManager) -> KM:
+def kernel_manager(options: list[str], cls: type[KM] = KernelManager) -> KM:  # type: ignore[assignment]  # mypy cannot tie a default to a TypeVar
     """A kernel manager (``cls``) that starts the distributed kernel with ``options``, over IPC sockets."""
     km = cls(kernel_name="distributed-python", kernel_spec_manager=spec_manager(options))
     if isinstance(km, AsyncKernelManager):

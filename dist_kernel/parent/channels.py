@@ -40,6 +40,16 @@ IOPubHandler = Callable[[dict], None]
 #: messages handled per wakeup of one socket before the loop gets a turn (a flood must not
 #: starve the cell's ticks, interrupts or the other ranks)
 _BATCH = 200
+
+
+def _fd(sock: zmq.Socket) -> int:
+    """The socket's ZMQ file descriptor, for the event loop (an int on every platform we run on)."""
+    return int(sock.getsockopt(zmq.FD))  # type: ignore[arg-type]  # typed int | bytes for other options
+
+
+def pending(sock: zmq.Socket) -> bool:
+    """Whether a message waits on ``sock`` (its EVENTS say POLLIN; the fd signals only edges)."""
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)  # type: ignore[arg-type]  # an int option
 #: signatures remembered to refuse a replayed message (jupyter_client keeps as many)
 _DIGESTS = 2**16
 #: jupyter message protocol version of the requests sent to the ranks
@@ -164,7 +174,7 @@ class SocketWire:
         self._loop = loop
         self._deliver = deliver
         for channel, sock in self._sockets.items():
-            loop.add_reader(sock.getsockopt(zmq.FD), self._drain, channel, sock)
+            loop.add_reader(_fd(sock), self._drain, channel, sock)
             loop.call_soon(self._drain, channel, sock)
 
     def send(self, channel: str, frames: list) -> None:
@@ -181,7 +191,7 @@ class SocketWire:
             return
         try:
             for _ in range(_BATCH):
-                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not pending(sock):
                     return
                 self._deliver(channel, sock.recv_multipart(zmq.NOBLOCK))
         except zmq.ZMQError:
@@ -197,7 +207,7 @@ class SocketWire:
                 continue
             if self._loop is not None and not self._loop.is_closed():
                 try:
-                    self._loop.remove_reader(sock.getsockopt(zmq.FD))
+                    self._loop.remove_reader(_fd(sock))
                 except Exception:  # noqa: BLE001 - already removed, or the loop is gone
                     pass
             try:
@@ -257,6 +267,7 @@ class RankChannel:
         while True:
             self._heard_iopub.clear()
             msg_id, fut = self.send("kernel_info_request", {})
+            assert fut is not None  # expect_reply: a future for the reply
             try:
                 msg = await asyncio.wait_for(fut, 1.0)
                 if msg.get("msg_type") == "kernel_info_reply":
@@ -309,6 +320,7 @@ class RankChannel:
     async def shell_request(self, msg_type: str, content: dict, timeout: float = 10.0) -> dict:
         """Round trip of one shell request (completion, inspection, ...); the reply content."""
         msg_id, fut = self.send(msg_type, content)
+        assert fut is not None  # expect_reply: a future for the reply
         try:
             return (await asyncio.wait_for(fut, timeout))["content"]
         finally:
@@ -322,6 +334,7 @@ class RankChannel:
         that holds the GIL).
         """
         msg_id, fut = self.send(protocol.REQUEST, protocol.request_content(req), channel="control")
+        assert fut is not None  # expect_reply: a future for the reply
         try:
             msg = await asyncio.wait_for(fut, timeout)
         finally:

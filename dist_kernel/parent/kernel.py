@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 from ipykernel.kernelbase import Kernel
+from jupyter_client.session import Session
 from traitlets import Any as AnyTrait
 from zmq.eventloop.zmqstream import ZMQStream
 
@@ -34,6 +35,7 @@ from dist_kernel.exceptions import (
 )
 from dist_kernel.iopub import UnboundedIOPubApp
 from dist_kernel.options import KernelConfig
+from dist_kernel.parent.channels import pending
 from dist_kernel.parent.comms import CommRouter
 from dist_kernel.parent.execution import CellRun, GroupState
 from dist_kernel.parent.held import HeldBusy
@@ -59,7 +61,7 @@ def _rearm(stream: Any) -> None:
         return
 
     def check() -> None:
-        if not stream.closed() and stream.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not stream.closed() and pending(stream.socket):
             stream.flush(zmq.POLLIN, limit=1)  # the stream's own callback, as a turn of its loop would
 
     stream.io_loop.add_callback(check)
@@ -107,11 +109,18 @@ class DistributedKernel(Kernel):
         # a cell's busy and execute_input, held back until its requests are on their way to the
         # ranks (see _publish_status): the ranks start sooner, and nothing is published before them
         base = super()
-        self._held = HeldBusy(lambda request: base._publish_status("busy", "shell", request),
-                              base._publish_execute_input)
+        # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
+        self._held = HeldBusy(lambda request: base._publish_status("busy", "shell", request),  # type: ignore[attr-defined]
+                              base._publish_execute_input)  # type: ignore[attr-defined]
         # every request gets a reply, even when its handler raises (a plain handler would not)
         self.shell_handlers = {t: self._always_reply(t, h) for t, h in self.shell_handlers.items()}
         self.control_handlers = {t: self._always_reply(t, h) for t, h in self.control_handlers.items()}
+
+    @property
+    def _session(self) -> Session:
+        """The kernel's session (ipykernel types it optional: the app sets it before start)."""
+        assert self.session is not None
+        return self.session
 
     # ---------------------------------------------------------------- info
     @property
@@ -137,8 +146,9 @@ class DistributedKernel(Kernel):
                                  on_stdin=self.on_rank_stdin, on_stopped=self.on_rank_stopped,
                                  extra_argv=self.extra_argv, on_note=self.on_start_note)
             atexit.register(_last_cleanup, sup)
-            self.attach(SupervisedRanks(sup))
-            self.io_loop.add_callback(self.ranks.start)
+            ranks = SupervisedRanks(sup)
+            self.attach(ranks)
+            self.io_loop.add_callback(ranks.start)
 
     def attach(self, ranks: Ranks) -> None:
         """Run cells on ``ranks`` (their events come back to the ``on_*`` methods below)."""
@@ -165,7 +175,7 @@ class DistributedKernel(Kernel):
                 self.log.exception("handler for %s failed", msg_type)
                 if msg_type.endswith("_request"):
                     reply = {"status": "error", "ename": type(e).__name__, "evalue": str(e), "traceback": []}
-                    self.session.send(sock, msg_type.replace("_request", "_reply"), reply, parent, ident=ident)
+                    self._session.send(sock, msg_type.replace("_request", "_reply"), reply, parent, ident=ident)
             finally:
                 _rearm(stream)
         return handle
@@ -212,7 +222,7 @@ class DistributedKernel(Kernel):
         if self._held:  # without taking its lock: this runs for every output
             self._held.release()
         # _topic: private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
-        self.session.send(self.iopub_socket, msg_type, content, parent=parent, ident=self._topic(msg_type),
+        self._session.send(self.iopub_socket, msg_type, content, parent=parent, ident=self._topic(msg_type),
                           metadata=metadata, buffers=buffers)
 
     def _fail(self, parent: dict, err: dict, silent: bool) -> dict:
@@ -359,7 +369,7 @@ class DistributedKernel(Kernel):
     async def comm_info_request(self, stream: Any, ident: Any, parent: dict) -> None:
         """The comms of every rank, merged."""
         reply = await self.comms.info(self.ranks, parent["content"])
-        self.session.send(stream, "comm_info_reply", reply, parent, ident=ident)
+        self._session.send(stream, "comm_info_reply", reply, parent, ident=ident)
 
     # -------------------------------------------------------------- magics
     async def _run_parent_magics(self, parent: dict, magics: tuple[tuple[str, str], ...]) -> dict | None:
@@ -431,7 +441,7 @@ class DistributedKernel(Kernel):
                 await asyncio.wait_for(self._on_main(self._interrupt_busy(_sent(parent))), 5)
             except Exception as e:  # noqa: BLE001
                 content = {"status": "error", "ename": type(e).__name__, "evalue": str(e), "traceback": []}
-        self.session.send(stream, "interrupt_reply", content, parent, ident=ident)
+        self._session.send(stream, "interrupt_reply", content, parent, ident=ident)
 
     async def _interrupt_busy(self, pressed: datetime | None = None) -> None:
         """The stop button. Before the ranks are ready it ends the waiting cell and never
@@ -545,7 +555,7 @@ class DistributedKernelApp(UnboundedIOPubApp):
 
     name = "dist-kernel"
     kernel_class = DistributedKernel
-    outstream_class = None  # the parent's own prints go to its log, never into a cell
+    outstream_class = None  # type: ignore[assignment]  # a trait that allows None: the parent's own prints go to its log, never into a cell
     dist_config = AnyTrait(None)
     rank_argv = AnyTrait(None)  # kernel arguments from the frontend, for the ranks too
 

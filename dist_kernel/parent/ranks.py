@@ -74,10 +74,15 @@ class CellRanks(Protocol):
 class Ranks(CellRanks, Protocol):
     """What the parent kernel needs of its ranks besides running cells."""
 
-    config: KernelConfig
-    ready: asyncio.Event  # set once the ranks started and formed their group, or failed to
-    start_error: str | None
-    runtime_dir: str
+    @property
+    def config(self) -> KernelConfig: ...
+    @property
+    def ready(self) -> asyncio.Event:
+        """Set once the ranks started and formed their group, or failed to."""
+    @property
+    def start_error(self) -> str | None: ...
+    @property
+    def runtime_dir(self) -> str: ...
 
     async def start(self) -> None:
         """Start the ranks and form their group; never raises, sets ``start_error``."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 
 Patch = Callable[[ModuleType], None]
@@ -44,14 +44,15 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
         self.owner = owner  # the integration that installed it: one finder each
         self.patches = patches
 
-    def find_spec(self, fullname: str, path: object, target: ModuleType | None = None) -> object:
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         patch = self.patches.get(fullname)
         if patch is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
-            spec = finder.find_spec(fullname, path, target)
+            spec = finder.find_spec(fullname, path, target)  # type: ignore[attr-defined]  # hasattr above
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
                     spec.loader = _PatchingLoader(spec.loader, patch)

@@ -90,11 +90,22 @@ def shows_output() -> bool:
     return rank() == min(cell_ranks())
 
 
+_MARK = "__dist_kernel__"
+
+
+def mark(fn: Any) -> Any:
+    """Mark ``fn`` as one of ours, so that it is never wrapped twice (:func:`is_marked`)."""
+    setattr(fn, _MARK, True)
+    return fn
+
+
+def is_marked(fn: Any) -> bool:
+    return bool(getattr(fn, _MARK, False))
+
+
 def wrap_once(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
     """Replace ``owner.name`` by ``make(original)``, unless that was done already."""
     original = getattr(owner, name)
-    if getattr(original, "__dist_kernel__", False):
+    if is_marked(original):
         return
-    new = wraps(original)(make(original))
-    new.__dist_kernel__ = True
-    setattr(owner, name, new)
+    setattr(owner, name, mark(wraps(original)(make(original))))

@@ -41,7 +41,6 @@ def join(req: Join) -> str:
     else:
         device = torch.device("cpu")
 
-    kwargs = {"device_id": device} if backend == "nccl" else {}
     if dist.is_initialized():  # re-forming after a failure: the old group is unusable
         try:
             dist.destroy_process_group()
@@ -49,7 +48,8 @@ def join(req: Join) -> str:
             pass
     meeting = _store(req)
     dist.init_process_group(backend, store=meeting, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=req.timeout), **kwargs)
+                            world_size=world_size, timeout=timedelta(seconds=req.timeout),
+                            device_id=device if backend == "nccl" else None)
     store.formed()
     _master_port(req, meeting)
     _define_names(rank=rank, world_size=world_size, local_rank=local_rank, device=device)

@@ -97,7 +97,7 @@ def _store_class() -> type:
         def _wait(self, keys: list[str], timeout: timedelta | None) -> None:
             if self.inner.check(keys):
                 return
-            limit = (timeout or self.timeout).total_seconds()
+            limit = (timeout or self.timeout).total_seconds()  # type: ignore[attr-defined]  # Store.timeout: a property torch's stubs lack
             started = time.monotonic()
             with _lock:
                 epoch = _state["epoch"]

@@ -29,6 +29,7 @@ from typing import Any
 import dist_kernel.rank.fastai.state as state
 from dist_kernel.protocol import META_SOLO, with_meta
 from dist_kernel.rank.fastai.state import wrap_once
+from dist_kernel.rank.integration import is_marked, mark
 
 _depth = 0  # > 0 while a wrapped helper runs: the helpers it calls pass straight through
 #: figure -> shown by this rank (True) or by another rank (False)
@@ -53,7 +54,7 @@ def _mark_figures_on_display() -> None:
     from IPython import get_ipython
 
     formatter = getattr(get_ipython(), "display_formatter", None)
-    if formatter is None or getattr(formatter.format, "__dist_kernel__", False):
+    if formatter is None or is_marked(formatter.format):
         return
     original = formatter.format
 
@@ -66,7 +67,7 @@ def _mark_figures_on_display() -> None:
         data, metadata = original(obj, *args, **kwargs)
         return data, with_meta(metadata, {META_SOLO: True})
 
-    format.__dist_kernel__ = True
+    mark(format)
     formatter.format = format
 
 

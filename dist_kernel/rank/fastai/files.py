@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 import dist_kernel.rank.fastai.state as state
+from dist_kernel.rank.integration import is_marked, mark
 
 PREFIX = "dist_kernel/fastai"
 _calls: dict[str, int] = {}  # per function: how many calls this rank made (same order on every rank)
@@ -114,7 +115,7 @@ def rank0_once(name: str, fn: Callable, post: Callable[[Any, str], Any] | None =
             value = fn(*args, **kwargs)
         return finish(value, key)
 
-    wrapper.__dist_kernel__ = True
+    mark(wrapper)
     return wrapper
 
 
@@ -145,7 +146,7 @@ def _shared_failures(result: Any, key: str) -> Any:
 
 def _wrap(mod: ModuleType, name: str, post: Callable[[Any, str], Any] | None = None) -> None:
     fn = getattr(mod, name, None)
-    if fn is not None and not getattr(fn, "__dist_kernel__", False):
+    if fn is not None and not is_marked(fn):
         setattr(mod, name, rank0_once(f"{mod.__name__}.{name}", fn, post))
 
 

@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from dist_kernel.rank import import_hook
-from dist_kernel.rank.integration import in_group
+from dist_kernel.rank.integration import in_group, is_marked, mark
 from dist_kernel.rank.integration import lightning as switch
 
 #: Lightning ships as ``lightning`` (lightning.pytorch) and as the older ``pytorch_lightning``
@@ -61,7 +61,7 @@ class _Interactive:
         return repr(bool(self))
 
 
-def _patch_connector(mod: ModuleType) -> None:
+def _patch_connector(mod: Any) -> None:  # lightning's accelerator connector module
     if not isinstance(mod._IS_INTERACTIVE, _Interactive):
         mod._IS_INTERACTIVE = _Interactive(mod._IS_INTERACTIVE)
 
@@ -81,7 +81,7 @@ def world_mismatch(devices: int, num_nodes: int, world_size: int, local_world_si
 def _patch_environment(mod: ModuleType) -> None:
     env_cls = mod.LightningEnvironment
     original = env_cls.validate_settings
-    if getattr(original, "__dist_kernel__", False):
+    if is_marked(original):
         return
 
     @wraps(original)
@@ -96,7 +96,7 @@ def _patch_environment(mod: ModuleType) -> None:
         if why:
             raise ValueError(f"rank {dist.get_rank()}: {why}")
 
-    validate_settings.__dist_kernel__ = True  # type: ignore[attr-defined]
+    mark(validate_settings)
     env_cls.validate_settings = validate_settings
 
 
@@ -118,14 +118,14 @@ def _loop(original: Callable) -> Callable:
         with _shown_as_one_process(self):
             return original(self, *args, **kwargs)
 
-    run.__dist_kernel__ = True  # type: ignore[attr-defined]
+    mark(run)
     return run
 
 
 def _patch_trainer(mod: ModuleType) -> None:
     for name in _LOOPS:
         method = getattr(mod.Trainer, name)
-        if not getattr(method, "__dist_kernel__", False):
+        if not is_marked(method):
             setattr(mod.Trainer, name, _loop(method))
 
 
