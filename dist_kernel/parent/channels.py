@@ -63,6 +63,9 @@ def _context() -> zmq.Context:
     global _CONTEXT
     if _CONTEXT is None or _CONTEXT.closed:
         _CONTEXT = zmq.Context()
+        # four sockets a rank: ZMQ's default of 1,023 sockets would hold 255 ranks. Set before
+        # the first socket, as ZMQ requires; open files are limits.make_room's to provide
+        _CONTEXT.set(zmq.MAX_SOCKETS, _CONTEXT.get(zmq.SOCKET_LIMIT))
     return _CONTEXT
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from dist_kernel import protocol
 from dist_kernel.exceptions import ConfigError, RankDiedError, RankRequestError, RankStartError
 from dist_kernel.options import KernelConfig
+from dist_kernel.parent import limits
 from dist_kernel.parent.channels import RankChannel
 from dist_kernel.parent.cleanup import kill_kernel_processes, make_runtime_dir, sweep
 from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit
@@ -148,6 +149,8 @@ class RankSupervisor:
         start to answering ``kernel_info``): many ranks on one machine must not starve this
         process, which answers the frontend meanwhile. Each rank joins the group (imports torch)
         as soon as *it* is up."""
+        if not self.config.remote:
+            limits.make_room(self.config.world_size)  # or a ConfigError naming the limit, before any rank
         self._watch_task = asyncio.ensure_future(self._watch())
         self.generation = 1
         slots = asyncio.Semaphore(self.launcher.wave)
