@@ -28,7 +28,7 @@ RANKS_PER_CORE = 4
 _CGROUP = "/sys/fs/cgroup"
 
 
-class Ranks(Protocol):
+class RankCount(Protocol):
     """What the check reads of a :class:`~dist_kernel.options.KernelConfig` (which imports this module)."""
 
     world_size: int
@@ -52,7 +52,7 @@ def most_ranks(machine: Machine) -> int:
     return max(1, min(by_memory, machine.cores * RANKS_PER_CORE))
 
 
-def check(config: Ranks, machine: Machine) -> list[str]:
+def check(config: RankCount, machine: Machine) -> list[str]:
     """Refuse a local rank count ``machine`` cannot hold; warnings when ``oversubscribe`` allows it."""
     n = config.world_size
     if config.remote or n <= most_ranks(machine):
