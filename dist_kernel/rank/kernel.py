@@ -36,7 +36,7 @@ from ipykernel.ipkernel import IPythonKernel
 
 from dist_kernel import protocol
 from dist_kernel.iopub import UnboundedIOPubApp
-from dist_kernel.rank import agent, branches, widgets
+from dist_kernel.rank import agent, branches, display_ids, widgets
 
 PARENT_PID_ENV = "JPY_PARENT_PID"
 
@@ -77,8 +77,10 @@ class RankKernel(IPythonKernel):
         self._told: str | None = None  # the cell whose reply carries its count: no idle for it
         self._count_lock = threading.Lock()
         self.session.send = self._counted(self.session.send)
-        # identical widgets on every rank get one comm id, so the frontend shows one widget
+        # identical widgets (displays made with display_id=True) on every rank get one comm id (display id),
+        # so the frontend shows one widget (display)
         widgets.install(lambda: self.get_parent("shell"))
+        display_ids.install(lambda: self.get_parent("shell"), getattr(type(self.shell).run_code, "__code__", None))
         # output made under `if rank == 0:` is marked as the rank's own: the parent does not hold
         # it for the other ranks (see dist_kernel.rank.branches)
         branches.configure(cell_dir() + os.sep, getattr(type(self.shell).run_code, "__code__", None))

@@ -132,3 +132,32 @@ def test_the_walk_stops_at_the_kernels_own_frame(cells):
     branches.configure(PREFIX, kernel_frame.__code__)
     cells("f.py", "if rank == 0:\n    kernel_frame()\n", {**ns, "kernel_frame": kernel_frame})
     assert ns["seen"] == [True, False]
+
+
+def test_a_branch_is_judged_by_columns_not_by_the_line_it_is_on(cells):
+    """Issue 30: a rank conditional on the line must not make the rest of the line the rank's."""
+    ns = {"where_called": where_called, "rank": 0, "seen": [], "pause": lambda s: None}
+    cells("g.py", "seen.append(where_called()); pause(2 if rank == 3 else 0); seen.append(where_called())\n", ns)
+    assert ns["seen"] == [False, False]
+    cells("h.py", "seen.append(where_called()); seen.append(where_called()) if rank == 0 else None\n", ns)
+    assert ns["seen"] == [False, False, False, True]
+    cells("i.py", "if rank == 0: seen.append(where_called())\nseen.append(where_called())\n", ns)
+    assert ns["seen"][-2:] == [True, False]
+
+
+def test_a_call_in_the_branch_of_a_conditional_expression_is_the_ranks(cells):
+    ns = {"where_called": where_called, "rank": 0, "seen": [], "log": lambda x: None}
+    cells("j.py", "log(where_called() if rank == 0 else None); log(seen.append(where_called()))\n", ns)
+    ns2 = {**ns, "log": lambda x: ns["seen"].append(x)}
+    cells("k.py", "log(where_called() if rank == 0 else None)\n", ns2)
+    assert ns["seen"] == [False, True]
+
+
+def test_a_branch_spanning_lines_holds_what_is_on_them_and_only_that():
+    found = branches.branch_spans("a(); b = (c() if rank == 0\n     else d()); e()\n")
+    assert found.lines == {1, 2}
+    assert found.holds(1, 10, 1, 13)  # c()
+    assert found.holds(2, 10, 2, 13)  # d()
+    assert not found.holds(1, 0, 1, 3)  # a()
+    assert not found.holds(2, 16, 2, 19)  # e()
+    assert not found.holds(1, 10, 2, 13)  # the whole conditional expression
