@@ -102,7 +102,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def cmd_clean(ns: argparse.Namespace) -> int:  # noqa: ARG001
-    from dist_kernel.parent.cleanup import sweep
+    from dist_kernel.cleanup import sweep
 
     report = sweep()
     for p in report.killed:

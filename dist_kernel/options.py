@@ -137,14 +137,14 @@ class Option:
 
 _SUPERVISOR = "dist_kernel.parent.supervisor"
 _KERNEL = "dist_kernel.parent.kernel"
-_REMOTE = "dist_kernel.parent.remote"
+_REMOTE = "dist_kernel.parent.launch.remote"
 
 #: every kernel option, in the order of the help and of a kernelspec's argv
 OPTIONS: tuple[Option, ...] = (
     Option("ranks", whole(1), None, "number of ranks (default: one per GPU, else 2; with slurm/ssh: "
            "nodes x ranks per node)", _SUPERVISOR, field="world_size", metavar="N"),
     Option("gpus", verbatim, None, "comma list of physical GPU ids, rank i on the i-th (slurm/ssh: ids on "
-           "each node, local rank i on the i-th)", "dist_kernel.parent.launcher", metavar="LIST"),
+           "each node, local rank i on the i-th)", "dist_kernel.parent.launch.local", metavar="LIST"),
     Option("backend", choice(*BACKENDS), None, "torch.distributed backend (default: nccl when GPUs are "
            "used, else gloo)", _SUPERVISOR, metavar="gloo|nccl"),
     Option("timeout", positive, "1800", "collective timeout in seconds (default {default})", _SUPERVISOR,
@@ -168,17 +168,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("rich_output", choice(*OUTPUT_POLICIES), "all", "rich output from every rank (merged) or "
            "from rank 0 only (default {default})", _KERNEL, metavar="all|rank0"),
     Option("launcher", choice(*LAUNCHERS), "local", "where the ranks run: this machine, nodes started by "
-           "srun, or hosts reached by ssh (default {default})", _REMOTE, metavar="local|slurm|ssh"),
+           "srun, or hosts reached by ssh (default {default})", "dist_kernel.parent.launch", metavar="local|slurm|ssh"),
     Option("nodes", whole(1), "1", "number of machines (slurm/ssh; default: 1 for slurm, the number of "
            "--hosts for ssh)", _REMOTE, metavar="N"),
     Option("ranks_per_node", whole(1), None, "ranks on each node (slurm/ssh; default: the number of "
-           "--gpus, else 1)", _SUPERVISOR, metavar="G"),
+           "--gpus, else 1)", _REMOTE, metavar="G"),
     Option("hosts", verbatim, None, "comma list of hosts to start the ranks on, node 0 first (ssh only)",
-           "dist_kernel.parent.ssh", metavar="H1,H2"),
+           "dist_kernel.parent.launch.node_starters.ssh", metavar="H1,H2"),
     Option("slurm_args", verbatim, None, "extra srun/salloc arguments, e.g. \"--partition gpu --time "
-           "2:00:00\" (slurm only)", "dist_kernel.parent.slurm", metavar="ARGS"),
+           "2:00:00\" (slurm only)", "dist_kernel.parent.launch.node_starters.slurm", metavar="ARGS"),
     Option("listen", verbatim, None, "the parent's address as the nodes see it, no port (slurm/ssh; "
-           "default: this machine's address on its route to the nodes)", "dist_kernel.parent.listen", metavar="ADDR"),
+           "default: this machine's address on its route to the nodes)", "dist_kernel.parent.launch.node_starters", metavar="ADDR"),
     Option("port_range", verbatim, None, "ports to listen on, for rank 0's rendezvous and for MASTER_PORT "
            "(slurm/ssh; at least 3; default: random free ports)", _REMOTE, metavar="A-B"),
     Option("oversubscribe", switch, "off", "start more ranks than this machine's memory or CPU cores "

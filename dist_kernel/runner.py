@@ -34,8 +34,8 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 from traitlets import Type
 
+from dist_kernel.cleanup import SOCKET_PATH_MAX, make_runtime_dir, owner_pid
 from dist_kernel.kernelspec import kernel_json
-from dist_kernel.parent.cleanup import SOCKET_PATH_MAX, make_runtime_dir, owner_pid
 from dist_kernel.parent.merge import strip_ansi
 
 KM = TypeVar("KM", KernelManager, AsyncKernelManager)

@@ -34,8 +34,8 @@ import time
 import zmq
 
 from dist_kernel import tunnel
-from dist_kernel.parent.launcher import file_tail
 from dist_kernel.placement import rank_env, rank_of
+from dist_kernel.processes import file_tail, proc_state
 
 #: how long the agent tries to reach the parent before it reports the address as unreachable
 REACH_TIMEOUT = 10.0
@@ -75,11 +75,7 @@ class RankChild:
         self.reported = False
 
     def state(self) -> str:
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return ""
+        return proc_state(self.proc.pid)
 
     def log_tail(self, lines: int = 30) -> str:
         return file_tail(self.log_path, lines)
@@ -262,7 +258,7 @@ class NodeAgent:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(timeout=2)
         with contextlib.suppress(Exception):
-            from dist_kernel.parent.cleanup import kill_kernel_processes
+            from dist_kernel.cleanup import kill_kernel_processes
 
             kill_kernel_processes(self.runtime_dir, [c.proc.pid for c in self.ranks.values()])
         shutil.rmtree(self.runtime_dir, ignore_errors=True)

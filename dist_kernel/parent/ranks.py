@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from dist_kernel.parent.launcher import state_words
+from dist_kernel.processes import state_words
 
 if TYPE_CHECKING:
     from dist_kernel.options import KernelConfig

@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 
-from dist_kernel.parent.cleanup import (
+from dist_kernel.cleanup import (
     LAUNCH_FILE,
     PIDS_FILE,
     end_launch,

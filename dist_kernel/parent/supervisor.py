@@ -1,7 +1,7 @@
 """Rank supervision: launch the ranks, form their group, watch them, end them.
 
-A rank is a :class:`~dist_kernel.parent.launcher.RankHandle` that a
-:class:`~dist_kernel.parent.launcher.GangLauncher` handed out (how it was started, on this
+A rank is a :class:`~dist_kernel.parent.launch.base.RankHandle` that a
+:class:`~dist_kernel.parent.launch.base.GangLauncher` handed out (how it was started, on this
 machine or another) and a :class:`~dist_kernel.parent.channels.RankChannel` (how the parent
 talks to it). The supervisor never asks which launcher it has. Formation and every other
 rank-side action are typed requests of :mod:`dist_kernel.protocol`.
@@ -25,13 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dist_kernel import protocol
+from dist_kernel.cleanup import kill_kernel_processes, make_runtime_dir, sweep
 from dist_kernel.exceptions import ConfigError, RankDiedError, RankRequestError, RankStartError
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent import limits
 from dist_kernel.parent.channels import RankChannel
-from dist_kernel.parent.cleanup import kill_kernel_processes, make_runtime_dir, sweep
 from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit
-from dist_kernel.parent.launcher import GangLauncher, LocalLauncher, RankHandle, state_words
+from dist_kernel.parent.launch import RankHandle, make_gang_launcher
+from dist_kernel.processes import state_words
 
 LOG_TAIL_LINES = 30
 #: how long a rank may take to answer a quick typed request (where, status, teardown)
@@ -98,7 +99,9 @@ class RankSupervisor:
         # for the IPC socket paths even under a long TMPDIR
         sweep()
         self.runtime_dir = make_runtime_dir()
-        self.launcher = self._launcher(config, list(extra_argv or []), on_note or (lambda text: None))
+        # where the ranks run (--launcher): this machine, or nodes started through Slurm or SSH
+        self.launcher = make_gang_launcher(config, self.runtime_dir, list(extra_argv or []), self.log,
+                                           on_note or (lambda text: None))
         self.launcher.on_fault = self._on_fault  # type: ignore[method-assign]
         self.launcher.on_change = self._changed  # type: ignore[method-assign]
         self.ranks: dict[int, Rank] = {}
@@ -117,14 +120,6 @@ class RankSupervisor:
             [sys.executable, "-m", "dist_kernel.parent.reaper", str(os.getpid()), self.runtime_dir],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
-
-    def _launcher(self, config: KernelConfig, extra_argv: list[str], on_note: Callable[[str], None]) -> GangLauncher:
-        """Where the ranks run: this machine, or nodes started through Slurm or SSH."""
-        if not config.remote:
-            return LocalLauncher(config, self.runtime_dir, extra_argv)
-        from dist_kernel.parent.remote import RemoteLauncher  # zmq.auth, Slurm and ssh only when needed
-
-        return RemoteLauncher(config, self.runtime_dir, extra_argv, self.log, on_note)
 
     # ------------------------------------------------------------- startup
     async def start(self) -> None:
@@ -222,7 +217,7 @@ class RankSupervisor:
         cfg = self.config
         r = self.ranks[rank]
         assert r.channel is not None
-        req = protocol.Join(rank=rank, world_size=cfg.world_size, local_rank=rank % cfg.ranks_per_node,
+        req = protocol.Join(rank=rank, world_size=cfg.world_size, local_rank=cfg.local_rank_of(rank),
                             backend=cfg.backend, store=self._store(),
                             timeout=cfg.timeout, use_cuda=cfg.uses_cuda, first=first,
                             seed=self.seed if first else None, fastai=cfg.fastai,

@@ -1,5 +1,4 @@
-"""Starting node agents through Slurm's srun or ssh (dist_kernel/parent/cluster.py, slurm.py, ssh.py, listen.py;
-issue 13).
+"""Starting node agents through Slurm's srun or ssh (dist_kernel/parent/launch/node_starters/; issue 13).
 
 The pure parts (command lines, srun's messages, the words of a failure, the allocation check)
 are checked without a cluster; the launchers themselves against the two-node lab of
@@ -25,15 +24,15 @@ from pathlib import Path
 
 import pytest
 
+from dist_kernel import cleanup
 from dist_kernel.exceptions import ConfigError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent import cleanup, cluster, slurm, ssh
-from dist_kernel.parent.cluster import NodeLauncher, exit_words
-from dist_kernel.parent.listen import default_listen
+from dist_kernel.parent.launch.node_starters import NODE_STARTERS, default_listen, make_node_starter, slurm, ssh
+from dist_kernel.parent.launch.node_starters import base as starter_base
+from dist_kernel.parent.launch.node_starters.base import NodeStarter, exit_words
+from dist_kernel.parent.launch.node_starters.slurm import SlurmNodeStarter, check_allocation, parse_srun_line, srun_argv
+from dist_kernel.parent.launch.node_starters.ssh import SshNodeStarter, ssh_argv
 from dist_kernel.parent.reaper import reap, write_launch
-from dist_kernel.parent.remote import make_launcher
-from dist_kernel.parent.slurm import SlurmLauncher, check_allocation, parse_srun_line, srun_argv
-from dist_kernel.parent.ssh import SshLauncher, ssh_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 LOG = logging.getLogger("test_cluster_launch")
@@ -131,7 +130,7 @@ def test_slurms_word_that_it_cancelled_the_job_is_read_as_a_typed_event(line, sa
 def test_a_cancelled_job_is_the_failure_said_first_even_before_srun_exits_with_code_0(tmp_path):
     line = "slurmstepd-n1: error: *** STEP 5.0 ON n1 CANCELLED AT 2026-11-25T16:39:24 ***"
 
-    class FakeSrun(SlurmLauncher):
+    class FakeSrun(SlurmNodeStarter):
         def commands(self):
             return [("srun", None, [sys.executable, "-c", f"import sys, time; print({line!r}, flush=True); "
                                                           "sys.stdin.readline(); time.sleep(1); sys.exit(0)"])]
@@ -159,7 +158,7 @@ def test_a_step_that_srun_ends_itself_after_a_task_failed_is_no_cancellation(tmp
              "slurmstepd-n1: error: *** STEP 76.0 ON n1 CANCELLED AT 2026-11-25T17:18:40 ***",
              "srun: error: n1: task 0: Terminated"]
 
-    class FakeSrun(SlurmLauncher):
+    class FakeSrun(SlurmNodeStarter):
         def commands(self):
             return [("srun", None, [sys.executable, "-c", f"import sys; sys.stdin.readline(); print({chr(10).join(lines)!r});"
                                                           "sys.exit(137)"])]
@@ -194,13 +193,13 @@ def test_inside_an_allocation_nodes_must_match_it():
     check_allocation(config(nodes=2), {})  # outside an allocation: srun asks for one
     check_allocation(config(nodes=2), {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"})
     check_allocation(config(nodes=2), {"SLURM_JOB_ID": "7", "SLURM_NNODES": "2"})
-    check_allocation(config(launcher="ssh", nodes=2), {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "4"})
+    SshNodeStarter.check(config(launcher="ssh", nodes=2), {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "4"})  # no Slurm
     with pytest.raises(ConfigError) as e:
         check_allocation(config(nodes=2), {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "4"})
     assert "--nodes 2" in str(e.value) and "job 7 has 4 nodes" in str(e.value) and "--nodes 4" in str(e.value)
     with pytest.raises(ConfigError, match="--nodes 3 does not match"):
-        make_launcher(config(nodes=3), lambda i: ["a"], "/tmp/x", LOG, print,
-                      environ={"SLURM_JOB_ID": "7", "SLURM_NNODES": "1"})
+        make_node_starter(config(nodes=3), lambda i: ["a"], "/tmp/x", LOG, print,
+                          environ={"SLURM_JOB_ID": "7", "SLURM_NNODES": "1"})
 
 
 def test_slurm_hostlists_and_controller_lines_are_read():
@@ -224,7 +223,7 @@ def test_a_listen_address_on_the_loopback_route_or_no_route_is_an_error_naming_t
 
 
 # =============================================================================== without a cluster
-class FakeLauncher(NodeLauncher):
+class FakeStarter(NodeStarter):
     """Local processes standing in for srun/ssh."""
 
     kind = "fake"
@@ -250,7 +249,7 @@ def test_each_launcher_process_reads_the_bootstrap_and_eof_when_stopped_and_is_r
     rd = runtime(tmp_path)
 
     async def go():
-        fake = FakeLauncher([echo + ["0"], echo + ["1"]], rd)
+        fake = FakeStarter([echo + ["0"], echo + ["1"]], rd)
         await fake.start(BOOTSTRAP)
         record = cleanup.read_launch(rd)
         assert [p for p, _ in record["pids"]] == fake.local_pids() and record["slurm"] is None
@@ -272,7 +271,7 @@ def test_a_launcher_process_that_exits_is_a_failure_with_its_last_lines(tmp_path
     failures = []
 
     async def go():
-        fake = FakeLauncher([[sys.executable, "-c", "import sys, time; sys.stdin.readline(); time.sleep(30)"],
+        fake = FakeStarter([[sys.executable, "-c", "import sys, time; sys.stdin.readline(); time.sleep(30)"],
                              [sys.executable, "-c", "import sys; print('srun: error: Unable to allocate resources: "
                                                     "nope', file=sys.stderr); sys.exit(1)"]],
                             runtime(tmp_path), on_failure=failures.append)
@@ -293,7 +292,7 @@ def test_stop_is_bounded_even_when_a_process_ignores_eof_and_sigterm(tmp_path):
                                       "sys.stdin.readline(); print('ready', flush=True); time.sleep(60)"]
 
     async def go():
-        fake = FakeLauncher([stubborn], runtime(tmp_path))
+        fake = FakeStarter([stubborn], runtime(tmp_path))
         await fake.start(BOOTSTRAP)
         await until(fake.tail, 10)
         (pid,) = fake.local_pids()
@@ -303,11 +302,11 @@ def test_stop_is_bounded_even_when_a_process_ignores_eof_and_sigterm(tmp_path):
 
     pid, took, rc = asyncio.run(go())
     assert rc == -signal.SIGKILL and not cleanup.pid_alive(pid)
-    assert cluster.STOP_GRACE + cluster.STOP_TERM_WAIT - 0.1 < took < 5.0
+    assert starter_base.STOP_GRACE + starter_base.STOP_TERM_WAIT - 0.1 < took < 5.0
 
 
 def test_a_missing_srun_is_an_error_that_says_so(tmp_path):
-    launcher = SlurmLauncher(config(), lambda i: ["agent"], runtime(tmp_path), LOG, print,
+    launcher = SlurmNodeStarter(config(), lambda i: ["agent"], runtime(tmp_path), LOG, print,
                              environ={"PATH": str(tmp_path)})
     with pytest.raises(ConfigError, match="cannot run srun"):
         asyncio.run(launcher.start(BOOTSTRAP))
@@ -318,7 +317,7 @@ def test_an_expected_exit_is_no_failure(tmp_path):
     failures = []
 
     async def go():
-        fake = FakeLauncher([[sys.executable, "-c", "import sys; sys.stdin.readline(); sys.exit(0)"]],
+        fake = FakeStarter([[sys.executable, "-c", "import sys; sys.stdin.readline(); sys.exit(0)"]],
                             runtime(tmp_path), on_failure=failures.append)
         fake.expect_exit()
         await fake.start(BOOTSTRAP)
@@ -421,7 +420,7 @@ def launched(lab, kind: str, tmp_path: Path, agent: str = AGENT, notes: list | N
     token = f"dktest-{uuid.uuid4().hex[:10]}"
     rd = tmp_path / f"dist_kernel-{os.getpid()}-{token[-6:]}"
     rd.mkdir()
-    cls = SlurmLauncher if kind == "slurm" else SshLauncher
+    cls = NODE_STARTERS[kind]
     cfg.setdefault("hosts", ("10.77.0.11", "10.77.0.12") if kind == "ssh" else ())
     cfg.setdefault("nodes", len(cfg["hosts"]) if kind == "ssh" else 2)
     launcher = cls(config(launcher=kind, **cfg),
@@ -430,7 +429,7 @@ def launched(lab, kind: str, tmp_path: Path, agent: str = AGENT, notes: list | N
     return launcher, token
 
 
-async def until(predicate, timeout: float, launcher: NodeLauncher | None = None, allow_failure: bool = False):
+async def until(predicate, timeout: float, launcher: NodeStarter | None = None, allow_failure: bool = False):
     deadline = time.monotonic() + timeout
     while not predicate():
         if launcher is not None and not allow_failure:
@@ -440,7 +439,7 @@ async def until(predicate, timeout: float, launcher: NodeLauncher | None = None,
         await asyncio.sleep(0.05)
 
 
-def got_lines(launcher: NodeLauncher) -> list[list[str]]:
+def got_lines(launcher: NodeStarter) -> list[list[str]]:
     return [ln.split(": ", 1)[1].split(" ", 5) for ln in launcher.tail() if ln.split(": ", 1)[1].startswith("got ")]
 
 
@@ -642,8 +641,7 @@ def test_the_default_listen_address_is_this_machines_on_the_route_to_the_nodes(l
 REAPED_PARENT = """
 import asyncio, json, logging, os, subprocess, sys, tempfile, types
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.slurm import SlurmLauncher
-from dist_kernel.parent.ssh import SshLauncher
+from dist_kernel.parent.launch.node_starters import NODE_STARTERS
 kind, token, agent, python = sys.argv[1:5]
 env = json.loads(sys.stdin.readline())
 rd = tempfile.mkdtemp(prefix=f"dist_kernel-{os.getpid()}-")
@@ -651,7 +649,7 @@ reaper = subprocess.Popen([sys.executable, "-m", "dist_kernel.parent.reaper", st
                           stdin=subprocess.DEVNULL, start_new_session=True)
 cfg = KernelConfig(world_size=2, backend="gloo", launcher=kind, nodes=2, ranks_per_node=1,
                    hosts=("10.77.0.11", "10.77.0.12") if kind == "ssh" else ())
-cls = SlurmLauncher if kind == "slurm" else SshLauncher
+cls = NODE_STARTERS[kind]
 launcher = cls(cfg, lambda node: [python, "-c", agent, token], rd, logging.getLogger(), print, environ=env)
 async def main():
     await launcher.start(b"{}\\n")
@@ -719,12 +717,13 @@ def test_the_sweep_cancels_a_dead_kernels_slurm_job(lab, tmp_path):
         lab_run(lab, "scancel", job)
 
 
-def test_make_launcher_picks_the_launcher(tmp_path):
-    assert isinstance(make_launcher(config(), lambda i: [], str(tmp_path), LOG, print, environ={}), SlurmLauncher)
-    ssh = make_launcher(config(launcher="ssh", hosts=("a", "b")), lambda i: [], str(tmp_path), LOG, print, environ={})
-    assert isinstance(ssh, SshLauncher) and ssh.hosts() == ["a", "b"]
+def test_make_node_starter_picks_the_node_starter(tmp_path):
+    assert isinstance(make_node_starter(config(), lambda i: [], str(tmp_path), LOG, print, environ={}), SlurmNodeStarter)
+    ssh = make_node_starter(config(launcher="ssh", hosts=("a", "b")), lambda i: [], str(tmp_path), LOG, print,
+                            environ={})
+    assert isinstance(ssh, SshNodeStarter) and ssh.hosts() == ["a", "b"]
     with pytest.raises(ValueError):
-        make_launcher(config(launcher="local"), lambda i: [], str(tmp_path), LOG, print)
+        make_node_starter(config(launcher="local"), lambda i: [], str(tmp_path), LOG, print)
 
 
 def test_keys_for_slurm_nodes_travel_munge_wrapped_decodable_once_per_munged_and_never_in_clear(lab):

@@ -24,7 +24,7 @@ import psutil
 import pytest
 from harness import DistKernel, end_process_tree
 
-from dist_kernel.parent import cleanup
+from dist_kernel import cleanup
 from dist_kernel.parent.reaper import reap, write_pids
 
 ROOT = Path(__file__).parents[2]

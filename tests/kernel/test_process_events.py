@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dist_kernel.parent.launcher import ProcessEvents
+from dist_kernel.parent.launch.local import ProcessEvents
 
 
 async def _next(events: asyncio.Queue, timeout: float = 10) -> int:

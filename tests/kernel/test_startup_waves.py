@@ -1,6 +1,6 @@
 """Many ranks on one machine start in bounded waves, and the kernel answers the frontend meanwhile
 (issue 20, item 1): a rank is *starting* from its process's start until it has bound its Jupyter
-sockets, and never more than ``launcher.START_WAVE`` ranks are starting at once."""
+sockets, and never more than ``launch.local.START_WAVE`` ranks are starting at once."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from harness import DistKernel, is_rank_process
 from jupyter_client import KernelManager
 
-from dist_kernel.parent.launcher import START_WAVE
+from dist_kernel.parent.launch.local import START_WAVE
 from dist_kernel.runner import spec_manager
 
 

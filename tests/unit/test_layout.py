@@ -62,3 +62,24 @@ def test_the_ranks_never_import_the_parent():
     crossing = {(m, d) for m, deps in graph.items() if m.startswith("dist_kernel.rank")
                 for d in deps if d.startswith("dist_kernel.parent")}
     assert crossing == set()
+
+
+def test_the_node_agent_never_imports_the_parent():
+    """The node agent starts processes and moves bytes: the parent's kernel (and jupyter_client's
+    manager with it) stays out of it; what both sides need is in dist_kernel.processes."""
+    graph = _imports()
+    crossing = {(m, d) for m, deps in graph.items() if m.startswith("dist_kernel.node")
+                for d in deps if d.startswith("dist_kernel.parent")}
+    assert crossing == set()
+
+
+def test_every_launcher_value_names_a_gang_launcher_and_each_remote_one_a_node_starter():
+    """``--launcher`` picks from two tables, never from an if/elif: a value options.py accepts
+    must be a key of both (local needs no node starter)."""
+    from dist_kernel.options import LAUNCHERS
+    from dist_kernel.parent.launch import GANG_LAUNCHERS
+    from dist_kernel.parent.launch.node_starters import NODE_STARTERS
+
+    assert set(GANG_LAUNCHERS) == set(LAUNCHERS)
+    assert set(NODE_STARTERS) == set(LAUNCHERS) - {"local"}
+    assert all(cls.kind == name for name, cls in NODE_STARTERS.items())

@@ -93,7 +93,7 @@ def _listener(tmp_path):
     import threading
 
     from dist_kernel.options import KernelConfig
-    from dist_kernel.parent.remote import Tunnel
+    from dist_kernel.parent.launch.remote import AgentListener
 
     keys = tunnel.new_secrets()
     keys["rank_keys"] = {"0": "k0", "1": "k1"}
@@ -105,7 +105,7 @@ def _listener(tmp_path):
         got.set()
 
     cfg = KernelConfig(world_size=2, backend="gloo", launcher="ssh", nodes=2, ranks_per_node=1, hosts=("a", "b"))
-    t = Tunnel(cfg, keys, on_event, logging.getLogger("test"))
+    t = AgentListener(cfg, keys, on_event, logging.getLogger("test"))
     port = t.bind("127.0.0.1")
     # the listener lives on the kernel's event loop: here, one of its own in a thread
     loop = asyncio.new_event_loop()

@@ -13,9 +13,11 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 from dist_kernel.exceptions import ConfigError
-from dist_kernel.parent.cluster import NodeLauncher, run_quiet
+from dist_kernel.options import KernelConfig
+from dist_kernel.parent.launch.node_starters.base import NodeStarter, run_quiet
+from dist_kernel.parent.launch.node_starters.routes import checked_source
 
-#: extra ssh options for the SSH launcher (shell syntax), e.g. "-i ~/.ssh/cluster -l me -p 2222"
+#: extra ssh options for the SSH node starter (shell syntax), e.g. "-i ~/.ssh/cluster -l me -p 2222"
 SSH_OPTS_ENV = "DIST_KERNEL_SSH_OPTS"
 #: the kernel's own ssh options; the user's (:data:`SSH_OPTS_ENV`) come first and win
 SSH_DEFAULT_OPTS = ("-o", "BatchMode=yes", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=2",
@@ -51,10 +53,16 @@ def ssh_hostname(host: str, environ: Mapping[str, str] | None = None) -> str:
     return host.rsplit("@", 1)[-1]
 
 
-class SshLauncher(NodeLauncher):
+class SshNodeStarter(NodeStarter):
     """``ssh -T HOST <agent argv>`` for each host; node i is ``hosts[i]``."""
 
     kind = "ssh"
+
+    @classmethod
+    def listen_address(cls, config: KernelConfig, environ: Mapping[str, str]) -> str:
+        """The route to the first host, as ``ssh -G`` resolves it (options.py made sure that
+        --hosts names the hosts)."""
+        return checked_source("the first host", ssh_hostname(config.hosts[0], environ))
 
     def hosts(self) -> list[str] | None:
         return list(self.config.hosts)

@@ -1,17 +1,18 @@
-"""Starting the node agents of a multi-node kernel: the launcher processes (issue 13).
+"""Starting the node agents of a multi-node kernel: the starter processes (issue 13).
 
 The parent starts one node agent per machine (``python -m dist_kernel.node ...``) through
-Slurm's ``srun`` (:mod:`dist_kernel.parent.slurm`) or ``ssh`` (:mod:`dist_kernel.parent.ssh`);
-:class:`NodeLauncher` is what both share: the launcher processes themselves.
+Slurm's ``srun`` (:mod:`~dist_kernel.parent.launch.node_starters.slurm`) or ``ssh``
+(:mod:`~dist_kernel.parent.launch.node_starters.ssh`); :class:`NodeStarter` is what both share:
+the starter processes themselves (srun, or one ssh per host), each a :class:`StarterProcess`.
 
 The agents' keys (the *bootstrap*, one JSON line) go to each agent on its stdin, never in argv
 or the environment; srun's ``--input=all`` gives every task the line. Stdin then stays open:
-its EOF (the launcher stopped, or the parent died and the kernel closed the pipe) tells each
-agent to end everything. Each launcher process's stderr (srun's messages, ssh's errors, the
+its EOF (the starter stopped, or the parent died and the kernel closed the pipe) tells each
+agent to end everything. Each starter process's stderr (srun's messages, ssh's errors, the
 agents' own stderr) is read continuously into a bounded tail that :meth:`NodeLauncher.failure`
-quotes when a launcher process exits.
+quotes when a starter process exits.
 
-A SIGKILLed parent cannot stop its launchers: they are recorded in ``RUNTIME_DIR/launch.json``
+A SIGKILLed parent cannot stop its starter processes: they are recorded in ``RUNTIME_DIR/launch.json``
 and the reaper (or the next sweep) ends them and cancels the job (cleanup.end_launch).
 """
 
@@ -29,12 +30,13 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from dist_kernel.cleanup import LAUNCH_FILE
 from dist_kernel.exceptions import ConfigError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.cleanup import LAUNCH_FILE
 from dist_kernel.parent.reaper import write_launch
+from dist_kernel.processes import describe_exit
 
-#: stderr lines kept per launcher process
+#: stderr lines kept per starter process
 TAIL_LINES = 40
 #: stderr lines quoted by failure()
 QUOTED_LINES = 8
@@ -53,25 +55,17 @@ def run_quiet(argv: list[str], environ: Mapping[str, str] | None, timeout: float
 
 
 def exit_words(label: str, returncode: int, tail: Sequence[str]) -> str:
-    """``"srun exited with code 1: srun: error: ..."``: how a launcher process ended, with the
+    """``"srun exited with code 1: srun: error: ..."``: how a starter process ended, with the
     last lines it printed."""
-    if returncode < 0:
-        try:
-            how = f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            how = f"was killed by signal {-returncode}"
-    else:
-        how = f"exited with code {returncode}"
+    how = describe_exit(returncode, oom_hint=False)  # a killed srun was not short of memory
     lines = [ln for ln in tail if ln.strip()][-QUOTED_LINES:]
     if not lines:
         return f"{label} {how} (it printed nothing)"
     return f"{label} {how}: " + "\n".join(lines)
 
 
-
-# =============================================================================== launchers
-class _Child:
-    """One launcher process (srun, or ssh to one host) and what it printed."""
+class StarterProcess:
+    """One starter process (srun, or ssh to one host) and what it printed."""
 
     def __init__(self, label: str, popen: subprocess.Popen, host: str | None) -> None:
         self.label = label
@@ -90,18 +84,22 @@ class _Child:
         return True
 
 
-class NodeLauncher:
+class NodeStarter:
     """Starts one node agent per node and ends them; see the module docstring.
 
     ``agent_argv(node_rank)`` is the argv of the agent of one node (``None`` for Slurm, where
     one argv serves every node and the agent reads ``SLURM_NODEID``). ``on_note`` gets progress
     for the first cell (waiting in the Slurm queue, ...) and ``on_failure`` the words of the
-    first launcher process that exits unexpectedly; both are called in the event loop that
-    ran :meth:`start`. ``environ``: the environment of the launcher processes (default
+    first starter process that exits unexpectedly; both are called in the event loop that
+    ran :meth:`start`. ``environ``: the environment of the starter processes (default
     ``os.environ``; it also says whether the kernel runs inside a Slurm allocation).
     """
 
+    #: the ``--launcher`` value this starter serves (a key of :data:`~dist_kernel.parent.launch.node_starters.NODE_STARTERS`)
     kind = "base"
+    #: whether the agents' keys cross the network in clear on the way (srun's stdin): then they
+    #: travel wrapped in MUNGE credentials
+    munge_keys = False
 
     def __init__(self, config: KernelConfig, agent_argv: Callable[[int | None], list[str]], runtime_dir: str,
                  log: logging.Logger, on_note: Callable[[str], None],
@@ -115,17 +113,30 @@ class NodeLauncher:
         self.on_failure = on_failure
         self.environ = dict(os.environ if environ is None else environ)
         self.job_id: str | None = None
-        self._children: list[_Child] = []
+        self._children: list[StarterProcess] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.RLock()
         self._stop_lock = threading.Lock()
         self._stopping = False
         self._stopped = False
         self._failure_reported = False
+        #: told of each thing the starter says of a queued job (srun: queued, allocated, ...), in
+        #: the loop of :meth:`start`; ssh has no queue and never calls it
+        self.on_queue: Callable[[Any], None] | None = None
 
-    # ------------------------------------------------------------- what a launcher provides
+    # ------------------------------------------------------------- before starting
+    @classmethod
+    def check(cls, config: KernelConfig, environ: Mapping[str, str] | None = None) -> None:
+        """Raise ConfigError for a configuration this starter cannot serve (before anything starts)."""
+
+    @classmethod
+    def listen_address(cls, config: KernelConfig, environ: Mapping[str, str]) -> str:
+        """This machine's address as the nodes should see it, when ``--listen`` does not say."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- what a node starter provides
     def commands(self) -> list[tuple[str, str | None, list[str]]]:
-        """(label, host, argv) of each launcher process."""
+        """(label, host, argv) of each starter process."""
         raise NotImplementedError
 
     def hosts(self) -> list[str] | None:
@@ -134,12 +145,12 @@ class NodeLauncher:
     def _slurm_record(self) -> dict | None:
         return None
 
-    def _on_line(self, child: _Child, line: str) -> None:
+    def _on_line(self, child: StarterProcess, line: str) -> None:
         pass
 
     # ------------------------------------------------------------- start
     async def start(self, bootstrap: bytes) -> None:
-        """Start the launcher processes and give each the bootstrap line on its stdin, which
+        """Start the starter processes and give each the bootstrap line on its stdin, which
         stays open. Returns at once (does not wait for the queue or the agents)."""
         self._loop = asyncio.get_running_loop()
         try:
@@ -160,7 +171,7 @@ class NodeLauncher:
             except OSError as e:
                 raise ConfigError(f"cannot run {argv[0]} for {label}: {e.strerror or e}. Fix: install it "
                                   f"or put it on the kernel's PATH, then restart the kernel.") from None
-            child = _Child(label, popen, host)
+            child = StarterProcess(label, popen, host)
             with self._lock:
                 self._children.append(child)
             child.reader = threading.Thread(target=self._read, args=(child,), daemon=True,
@@ -186,8 +197,8 @@ class NodeLauncher:
             except (OSError, ValueError):  # exited or closed: failure() says why
                 continue
 
-    def _read(self, child: _Child) -> None:
-        """Read a launcher process's output line by line until it closes; note its exit."""
+    def _read(self, child: StarterProcess) -> None:
+        """Read a starter process's output line by line until it closes; note its exit."""
         assert child.popen.stdout is not None
         for raw in iter(child.popen.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\r\n")
@@ -235,24 +246,24 @@ class NodeLauncher:
 
     # ------------------------------------------------------------- state
     def state(self) -> dict:
-        """What the reaper and the sweep need to end this launcher (launch.json)."""
+        """What the reaper and the sweep need to end these processes (launch.json)."""
         return {"launchers": self.local_pids(), "slurm": self._slurm_record()}
 
     def record(self) -> None:
         self._record()
 
     def local_pids(self) -> list[int]:
-        """The launcher processes' pids (srun, ssh), for the reaper."""
+        """The starter processes' pids (srun, ssh), for the reaper."""
         with self._lock:
             return [c.popen.pid for c in self._children]
 
     def tail(self) -> list[str]:
-        """The last lines every launcher process printed, each prefixed by its label."""
+        """The last lines every starter process printed, each prefixed by its label."""
         with self._lock:
             return [f"{c.label}: {ln}" for c in self._children for ln in list(c.tail)]
 
     def failure(self) -> str | None:
-        """None while every launcher process runs (or once stop() was called); else how the
+        """None while every starter process runs (or once stop() was called); else how the
         first one to exit ended, with its last lines."""
         if self._stopping:
             return None
@@ -271,13 +282,13 @@ class NodeLauncher:
         """The Slurm job id, as an agent reported it (srun says nothing when the job starts at once)."""
 
     def expect_exit(self) -> None:
-        """The launcher processes are about to end on purpose (the parent told the agents to
+        """The starter processes are about to end on purpose (the parent told the agents to
         stop): from now on their exit is no failure. :meth:`stop` still ends what is left."""
         self._stopping = True
 
     # ------------------------------------------------------------- stop
     async def stop(self) -> None:
-        """End every launcher process and the kernel's Slurm job; idempotent, a few seconds at most."""
+        """End every starter process and the kernel's Slurm job; idempotent, a few seconds at most."""
         await asyncio.get_running_loop().run_in_executor(None, self.stop_sync)
 
     def stop_sync(self) -> None:
@@ -325,7 +336,7 @@ class NodeLauncher:
                 os.unlink(os.path.join(self.runtime_dir, LAUNCH_FILE))
             except OSError:
                 pass
-            self.log.info("%s launcher stopped in %.2fs", self.kind, time.monotonic() - t0)
+            self.log.info("%s node starter stopped in %.2fs", self.kind, time.monotonic() - t0)
 
     def _cancel(self, srun_killed: bool) -> None:
         """Slurm: cancel the kernel's job (or its leftover step in the user's allocation)."""

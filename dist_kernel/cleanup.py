@@ -14,8 +14,8 @@ kernel is alive; the same name is the value of the variable, so a process can be
 after its directory was removed. Only processes of this user are ever signalled, never this
 process or its ancestors. Imports nothing heavy: the reaper runs this.
 
-A kernel whose ranks run on other machines (``--launcher slurm|ssh``, see cluster.py) also
-records its launcher processes (``srun``, ``ssh``) and its Slurm job in ``launch.json``
+A kernel whose ranks run on other machines (``--launcher slurm|ssh``, see parent/launch/node_starters/)
+also records its starter processes (``srun``, ``ssh``) and its Slurm job in ``launch.json``
 (:data:`LAUNCH_FILE`): :func:`end_launch` ends those (SIGTERM first, so that ``srun`` cancels
 its step) and cancels the job; the reaper and the sweep call it for a kernel that is gone.
 """
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 ENV_VAR = "DIST_KERNEL_RUNTIME_DIR"
 RUNTIME_PREFIX = "dist_kernel-"
 PIDS_FILE = "ranks.pids"
-#: the launcher processes and Slurm job of a multi-node kernel (see :func:`end_launch`)
+#: the starter processes (srun, ssh) and Slurm job of a multi-node kernel (see :func:`end_launch`)
 LAUNCH_FILE = "launch.json"
 # Linux limits a unix socket path (sun_path) to 107 bytes. The ranks' IPC sockets are
 # ``<runtime dir>/rank<N>-<port>``; leave room for 4-digit ranks and 5-digit ports.
@@ -235,7 +235,8 @@ def select(procs: dict[int, Proc], dead: Callable[[str], bool],
     """The processes that belong to kernels for which ``dead(runtime_dir)`` is true.
 
     A process belongs to such a kernel when its environment names the kernel's runtime dir,
-    or when it is in the session or group of one that does, or of a rank of the kernel
+    or when it is in the session or group of one that does, or in a session or group that one
+    that does is in and whose leader is gone (a dead rank's), or of a rank of the kernel
     (``rank_pids``) that is alive, or dead and still holding a member that names the dir: a
     child with a scrubbed environment. Those ids cannot have been reused: Linux never gives
     out a pid that is still a session or group id. With ``trust_rank_sessions`` the sessions
@@ -245,7 +246,11 @@ def select(procs: dict[int, Proc], dead: Callable[[str], bool],
     """
     mine = {p.pid for p in procs.values() if p.marker and dead(p.marker)}
     held = {i for pid in mine for i in (procs[pid].sid, procs[pid].pgid)}
-    leaders = set(mine)
+    # a session or group held by such a process whose leader is gone (or going: an exiting
+    # process's environment and command line read empty) is a dead rank's, as ranks lead their
+    # own sessions: every member is the rank's, named or not. Ended now, by any sweep: once the
+    # members that name the kernel are gone, nothing would find the others
+    leaders = set(mine) | {i for i in held if _leader_gone(i, procs)}
     for pid in rank_pids:
         leader = procs.get(pid)
         if leader is None:
@@ -257,6 +262,13 @@ def select(procs: dict[int, Proc], dead: Callable[[str], bool],
     keep = _protected(procs)
     return [p for p in procs.values()
             if p.pid not in keep and (p.pid in leaders or p.sid in leaders or p.pgid in leaders)]
+
+
+def _leader_gone(pid: int, procs: dict[int, Proc]) -> bool:
+    """Has the leader of session or group ``pid`` exited, or is it exiting (its memory, and with
+    it its environment and command line, freed already)? Another user's live process is not."""
+    p = procs.get(pid)
+    return not pid_alive(pid) if p is None else p.marker is None and not p.argv
 
 
 def _dirs_named(argv: list[str]) -> list[str]:

@@ -1,11 +1,13 @@
-"""Ranks on other machines: the parent's end of the node agents' connections.
+"""The gang launcher of ranks on other machines: the parent's end of the node agents' connections.
 
-The parent listens on ``--listen`` (CurveZMQ, one admitted client key; see
-:mod:`dist_kernel.tunnel`). Each node's agent connects out, says hello, starts its ranks
-when told, and relays their Jupyter messages. The listener is read on the kernel's event
-loop: a remote rank's channel hands its frames straight to the listener's socket and gets
-the rank's frames straight from it (a :class:`RemoteWire`), with no socket or thread in
-between. The same loop beats to the nodes and notices a node that went silent.
+A node starter (:mod:`dist_kernel.parent.launch.node_starters`: srun or ssh) starts one node
+agent per machine. The parent listens on ``--listen`` (an :class:`AgentListener`: CurveZMQ,
+one admitted client key; the wire format is :mod:`dist_kernel.tunnel`). Each node's agent
+connects out, says hello, starts its ranks when told, and relays their Jupyter messages. The
+listener is read on the kernel's event loop: a remote rank's channel hands its frames
+straight to the listener's socket and gets the rank's frames straight from it (a
+:class:`RemoteWire`), with no socket or thread in between. The same loop beats to the nodes
+and notices a node that went silent.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -29,15 +31,15 @@ import zmq.auth.thread
 from dist_kernel import tunnel
 from dist_kernel.exceptions import ConfigError, RankStartError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent import listen, slurm
 from dist_kernel.parent.channels import Wire
-from dist_kernel.parent.cluster import NodeLauncher
 from dist_kernel.parent.fault_policy import RemoteCause
-from dist_kernel.parent.launcher import GangLauncher, describe_exit
-from dist_kernel.parent.slurm import SlurmLauncher, SrunEvent, check_allocation
-from dist_kernel.parent.ssh import SshLauncher
+from dist_kernel.parent.launch.base import GangLauncher
+from dist_kernel.parent.launch.node_starters import default_listen, make_node_starter, node_starter_class
+from dist_kernel.parent.launch.node_starters.base import NodeStarter
+from dist_kernel.parent.launch.node_starters.slurm import SrunEvent, munge_socket
+from dist_kernel.processes import describe_exit
 
-#: a node whose agent has not said hello this long after its launcher started it (or left
+#: a node whose agent has not said hello this long after its node starter started it (or left
 #: the queue) is a wiring mistake, reported well before --startup-timeout
 CONNECT_TIMEOUT = 30.0
 #: messages read from the listener per turn of the loop (a flood must not starve the rest)
@@ -67,8 +69,9 @@ class Node:
     lost: str = ""
 
 
-class Tunnel:
-    """The parent's listener for the node agents, read on the kernel's event loop."""
+class AgentListener:
+    """The parent's listener for the node agents, read on the kernel's event loop (named apart
+    from :mod:`dist_kernel.tunnel`, the wire format that both ends share)."""
 
     def __init__(self, config: KernelConfig, keys: dict[str, str],
                  on_event: Callable[[int, dict], None], log: logging.Logger) -> None:
@@ -198,7 +201,7 @@ class Tunnel:
                 try:
                     self._from_node(frames)
                 except Exception:  # noqa: BLE001 - one bad frame never stops the reading
-                    self.log.exception("tunnel: dropped a frame")
+                    self.log.exception("listener: dropped a frame")
         except zmq.ZMQError:
             return
         if again and self._loop is not None:  # more may wait: ZMQ's descriptor signals edges
@@ -232,7 +235,7 @@ class Tunnel:
         try:
             event = tunnel.unpack_ctl(self.keys["hmac_key"], rest, tunnel.FROM_NODE)
         except tunnel.TunnelError as e:
-            self.log.warning("tunnel: node %d: %s", index, e)
+            self.log.warning("listener: node %d: %s", index, e)
             return
         node = self.nodes.setdefault(index, Node(index))
         node.last_heard = time.monotonic()
@@ -253,31 +256,31 @@ class RemoteWire:
     """A remote rank's channels: its frames go straight into the listener, and come straight
     out of it, tagged with the rank and the channel (see :mod:`dist_kernel.tunnel`)."""
 
-    def __init__(self, tunnel_: Tunnel, rank: int) -> None:
-        self.tunnel = tunnel_
+    def __init__(self, listener: AgentListener, rank: int) -> None:
+        self.listener = listener
         self.rank = rank
 
     def connect(self, identity: bytes) -> None:
         """Nothing to connect: the agent's sockets on the node carry the identity it gives them."""
 
     def open(self, deliver: Callable[[str, list[bytes]], None]) -> None:
-        self.tunnel.attach(self.rank, deliver)
+        self.listener.attach(self.rank, deliver)
 
     def send(self, channel: str, frames: list) -> None:
-        self.tunnel.send_msg(self.rank, channel, frames)
+        self.listener.send_msg(self.rank, channel, frames)
 
     def close(self) -> None:
-        self.tunnel.detach(self.rank)
+        self.listener.detach(self.rank)
 
 
 class RemoteRank:
     """A rank on another machine: what its node's agent says about it; signals go through the
-    agent (provisioner method names, as :class:`~dist_kernel.parent.launcher.RankHandle`)."""
+    agent (provisioner method names, as :class:`~dist_kernel.parent.launch.base.RankHandle`)."""
 
-    def __init__(self, rank: int, node: Node, tunnel_: Tunnel, key: str, pid: int) -> None:
+    def __init__(self, rank: int, node: Node, listener: AgentListener, key: str, pid: int) -> None:
         self.rank = rank
         self.node = node
-        self.tunnel = tunnel_
+        self.listener = listener
         self.key = key
         self._pid = pid
         self.returncode: int | None = None
@@ -301,7 +304,7 @@ class RemoteRank:
         return self.returncode
 
     async def send_signal(self, signum: int) -> None:
-        self.tunnel.send_ctl(self.node.index, {"type": "signal", "rank": self.rank, "signum": int(signum)})
+        self.listener.send_ctl(self.node.index, {"type": "signal", "rank": self.rank, "signum": int(signum)})
 
     async def kill(self) -> None:
         await self.send_signal(signal.SIGKILL)
@@ -321,30 +324,15 @@ class RemoteRank:
         return "".join(self.log.splitlines(keepends=True)[-lines:])
 
     def wire(self) -> tuple[dict, Wire]:
-        return {"key": self.key, "signature_scheme": "hmac-sha256"}, RemoteWire(self.tunnel, self.rank)
-
-
-def make_launcher(config: KernelConfig, agent_argv: Callable[[int | None], list[str]], runtime_dir: str,
-                  log: logging.Logger, on_note: Callable[[str], None],
-                  on_failure: Callable[[str], None] | None = None,
-                  environ: Mapping[str, str] | None = None,
-                  on_queue: Callable[[SrunEvent], None] | None = None) -> NodeLauncher:
-    """The launcher for ``config.launcher`` (slurm or ssh); checks an allocation's node count."""
-    if config.launcher == "slurm":
-        check_allocation(config, environ)
-        slurm_launcher = SlurmLauncher(config, agent_argv, runtime_dir, log, on_note, on_failure, environ)
-        slurm_launcher.on_queue = on_queue
-        return slurm_launcher
-    if config.launcher == "ssh":  # options.py made sure that --hosts names the hosts
-        return SshLauncher(config, agent_argv, runtime_dir, log, on_note, on_failure, environ)
-    raise ValueError(f"no node launcher for --launcher {config.launcher}")
+        return {"key": self.key, "signature_scheme": "hmac-sha256"}, RemoteWire(self.listener, self.rank)
 
 
 class RemoteLauncher(GangLauncher):
-    """Starts the node agents (through Slurm or SSH), waits for them, and hands out their ranks.
+    """Starts the node agents (through the node starter that ``--launcher`` names: Slurm or SSH),
+    waits for them, and hands out their ranks.
 
     ``on_note`` gets progress for the first cell (waiting in the Slurm queue, ...); faults that
-    take the gang (a node lost, an agent ending, a rank that exited, the launcher gone) go to
+    take the gang (a node lost, an agent ending, a rank that exited, the node starter gone) go to
     :attr:`on_fault`."""
 
     watches = True  # the agents' beats and exit events reach on_change (see _track)
@@ -359,8 +347,8 @@ class RemoteLauncher(GangLauncher):
         self.wave = config.world_size  # the agents start their node's ranks themselves
         self.keys = tunnel.new_secrets()
         self.keys["rank_keys"] = {str(r): os.urandom(32).hex() for r in range(config.world_size)}  # type: ignore[assignment]
-        self.tunnel: Tunnel | None = None
-        self.nodes_launcher = None
+        self.listener: AgentListener | None = None
+        self.node_starter: NodeStarter | None = None
         self.processes: dict[int, RemoteRank] = {}
         self.master: tuple[str, int] | None = None
         self.endpoint = ""
@@ -385,9 +373,9 @@ class RemoteLauncher(GangLauncher):
         elif self._queued:  # out of the queue: the connect timeout counts from now
             self._queued = False
             self._launched_at = time.monotonic()
-            if self._munge and self.nodes_launcher is not None:
+            if self._munge and self.node_starter is not None:
                 with contextlib.suppress(Exception):  # the first credentials may have expired meanwhile
-                    self.nodes_launcher.send(self._fresh_keys())
+                    self.node_starter.send(self._fresh_keys())
 
     async def start(self, ranks: int) -> AsyncIterator[RemoteRank]:
         processes = await self.launch_all()
@@ -397,21 +385,22 @@ class RemoteLauncher(GangLauncher):
     async def launch_all(self) -> dict[int, RemoteRank]:
         """Start the agents and their ranks; raises :class:`RankStartError` naming the node and address."""
         cfg = self.config
-        check_allocation(cfg)
-        address = cfg.listen or listen.default_listen(cfg)
+        starter = node_starter_class(cfg)
+        starter.check(cfg)
+        address = default_listen(cfg)
         try:  # ZMQ binds to addresses, not names; the nodes then connect to that address too
             address = socket.gethostbyname(address)
         except OSError as e:
             raise ConfigError(f"--listen {address}: cannot resolve it ({e}). Fix: give an IP address of this "
                               "machine that the nodes can reach, then restart the kernel.") from None
-        self.tunnel = Tunnel(cfg, self.keys, self._on_event, self.log)
+        self.listener = AgentListener(cfg, self.keys, self._on_event, self.log)
         try:
-            port = self.tunnel.bind(address)
+            port = self.listener.bind(address)
         except zmq.ZMQError as e:
             raise ConfigError(f"--listen {address}: cannot listen there ({e}). Fix: give an address of this "
                               "machine that the nodes can reach, then restart the kernel.") from None
         self.endpoint = f"tcp://{address}:{port}"
-        self.tunnel.start()
+        self.listener.start()
         boot = tunnel.Bootstrap(
             server_key=self.keys["server_public"], client_public=self.keys["client_public"],
             client_secret=self.keys["client_secret"], hmac_key=self.keys["hmac_key"],
@@ -422,14 +411,14 @@ class RemoteLauncher(GangLauncher):
 
         # srun's stdin crosses the network in clear: wrap the keys in MUNGE credentials, one per
         # node (nodes may share one munged, which decodes each credential once)
-        self._munge = cfg.launcher == "slurm"
-        munge_socket = slurm.munge_socket() if self._munge else None
+        self._munge = starter.munge_keys
+        munge_path = munge_socket() if self._munge else None
 
         def keys() -> bytes:
             if not self._munge:
                 return boot.encode()
             try:
-                return b"".join(tunnel.munge_wrap(boot.encode(), munge_socket) for _ in range(cfg.nodes))
+                return b"".join(tunnel.munge_wrap(boot.encode(), munge_path) for _ in range(cfg.nodes))
             except (OSError, tunnel.TunnelError) as e:
                 raise RankStartError(f"cannot protect the keys for the nodes with MUNGE: {e}. Fix: run the kernel "
                                      "on a machine of the Slurm cluster (munge installed, munged running).") from None
@@ -439,13 +428,13 @@ class RemoteLauncher(GangLauncher):
         def agent_argv(node: int | None) -> list[str]:
             argv = [sys.executable, "-m", "dist_kernel.node", "--parent", self.endpoint]
             if self._munge:
-                argv += ["--munge", *(["--munge-socket", munge_socket] if munge_socket else [])]
+                argv += ["--munge", *(["--munge-socket", munge_path] if munge_path else [])]
             return argv + (["--node-rank", str(node)] if node is not None else [])
 
-        self.nodes_launcher = make_launcher(cfg, agent_argv, self.runtime_dir, self.log, self.on_note,
-                                            on_queue=self._on_queue)
+        self.node_starter = make_node_starter(cfg, agent_argv, self.runtime_dir, self.log, self.on_note,
+                                              on_queue=self._on_queue)
         self._launched_at = time.monotonic()
-        await self.nodes_launcher.start(keys())
+        await self.node_starter.start(keys())
 
         hellos = await self._gather("hello", lambda n: f"node {n} never connected to the parent at {self.endpoint}")
         master_addr = hellos[0]["address"]
@@ -454,14 +443,14 @@ class RemoteLauncher(GangLauncher):
         self.master = (master_addr, master_port)
         job = next((h.get("job") for h in hellos.values() if h.get("job")), None)
         if job:
-            self.nodes_launcher.note_job(str(job))
+            self.node_starter.note_job(str(job))
         for n in range(cfg.nodes):
-            self.tunnel.send_ctl(n, {"type": "start", "master_addr": master_addr, "master_port": user_port})
+            self.listener.send_ctl(n, {"type": "start", "master_addr": master_addr, "master_port": user_port})
         started = await self._gather("started", lambda n: f"node {n} ({self._host(n)}) did not start its ranks")
         for n, event in started.items():
             for rank_text, pid in event["ranks"].items():
                 rank = int(rank_text)
-                self.processes[rank] = RemoteRank(rank, self.tunnel.nodes[n], self.tunnel,
+                self.processes[rank] = RemoteRank(rank, self.listener.nodes[n], self.listener,
                                                   self.keys["rank_keys"][rank_text], int(pid))  # type: ignore[index]
         return self.processes
 
@@ -472,22 +461,22 @@ class RemoteLauncher(GangLauncher):
         return f"tcp://{addr}:{port}/gen{generation}"
 
     def _host(self, node: int) -> str:
-        n = self.tunnel.nodes.get(node) if self.tunnel else None
+        n = self.listener.nodes.get(node) if self.listener else None
         if n is not None and n.host:
             return n.host
-        hosts = self.nodes_launcher.hosts() if self.nodes_launcher is not None else None
+        hosts = self.node_starter.hosts() if self.node_starter is not None else None
         return hosts[node] if hosts and node < len(hosts) else "host unknown"
 
     async def _gather(self, kind: str, missing_words: Callable[[int], str]) -> dict[int, dict]:
-        """Wait for one ``kind`` event from every node; a clear error for a launcher that
+        """Wait for one ``kind`` event from every node; a clear error for a node starter that
         failed or a node that stays silent past CONNECT_TIMEOUT."""
         got: dict[int, dict] = {}
         while len(got) < self.config.nodes:
-            failure = self.nodes_launcher.failure() if self.nodes_launcher is not None else None
+            failure = self.node_starter.failure() if self.node_starter is not None else None
             if failure:
                 # what an agent said of the wiring (no route, unreachable parent) comes first
-                said = [ln.split(": ", 1)[1] for ln in self.nodes_launcher.tail() if "dist_kernel node agent on" in ln]
-                if said:  # then the launcher's own words add only how it ended
+                said = [ln.split(": ", 1)[1] for ln in self.node_starter.tail() if "dist_kernel node agent on" in ln]
+                if said:  # then the starter's own words add only how it ended
                     failure = "\n".join([*dict.fromkeys(said), failure.split(":", 1)[0] + "."])
                 raise RankStartError(f"The node agents could not start:\n{failure}\n{self._fix()}")
             waited = time.monotonic() - self._launched_at
@@ -546,46 +535,46 @@ class RemoteLauncher(GangLauncher):
                                               "(link down, the node agent killed, or the Slurm job ended)", ranks))
 
     def failure(self) -> str | None:
-        if self.stopped or self.nodes_launcher is None:
+        if self.stopped or self.node_starter is None:
             return None
-        return self.nodes_launcher.failure()
+        return self.node_starter.failure()
 
     def state(self) -> dict:
-        """The launcher processes (srun, ssh) and the Slurm job: the ranks' pids mean nothing
+        """The starter processes (srun, ssh) and the Slurm job: the ranks' pids mean nothing
         here, their agents end them."""
-        if self.nodes_launcher is None:
+        if self.node_starter is None:
             return {"launchers": [], "slurm": None}
-        return self.nodes_launcher.state()
+        return self.node_starter.state()
 
     def record(self) -> None:
-        if self.nodes_launcher is not None:
-            self.nodes_launcher.record()
+        if self.node_starter is not None:
+            self.node_starter.record()
 
     async def stop(self, now: bool = False) -> None:  # noqa: ARG002 - the agents end their ranks at once
-        """Tell every agent to stop (they end their ranks), then end the launcher (srun/ssh) and the tunnel."""
-        if self.nodes_launcher is not None:
-            self.nodes_launcher.expect_exit()  # srun/ssh ending now is no failure
-        if self.tunnel is not None and not self.stopped:
+        """Tell every agent to stop (they end their ranks), then end the node starter (srun/ssh) and the listener."""
+        if self.node_starter is not None:
+            self.node_starter.expect_exit()  # srun/ssh ending now is no failure
+        if self.listener is not None and not self.stopped:
             self.stopped = True
             for n in range(self.config.nodes):
-                self.tunnel.send_ctl(n, {"type": "stop"})
-            await asyncio.sleep(0.3)  # the agents end their ranks; the launcher then ends by itself
+                self.listener.send_ctl(n, {"type": "stop"})
+            await asyncio.sleep(0.3)  # the agents end their ranks; srun/ssh then end by themselves
         self.stopped = True
-        if self.nodes_launcher is not None:
+        if self.node_starter is not None:
             with contextlib.suppress(Exception):
-                await self.nodes_launcher.stop()
-        if self.tunnel is not None:
-            self.tunnel.close()
+                await self.node_starter.stop()
+        if self.listener is not None:
+            self.listener.close()
 
     def stop_now(self) -> None:
-        """Last resort from any thread (atexit): stop the agents, end the launcher's processes."""
+        """Last resort from any thread (atexit): stop the agents, end the node starter's processes."""
         self.stopped = True
-        if self.tunnel is not None:
+        if self.listener is not None:
             for n in range(self.config.nodes):
-                self.tunnel.send_ctl(n, {"type": "stop"})
+                self.listener.send_ctl(n, {"type": "stop"})
             time.sleep(0.2)
-        if self.nodes_launcher is not None:
+        if self.node_starter is not None:
             with contextlib.suppress(Exception):
-                self.nodes_launcher.stop_sync()  # SIGTERM srun/ssh, scancel a job of our own
-        if self.tunnel is not None:
-            self.tunnel.close()
+                self.node_starter.stop_sync()  # SIGTERM srun/ssh, scancel a job of our own
+        if self.listener is not None:
+            self.listener.close()

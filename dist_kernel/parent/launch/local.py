@@ -1,37 +1,29 @@
-"""The launcher seam: how a gang of rank processes comes to exist, is signalled and ends.
+"""The gang launcher of one machine: each rank a child process of the parent.
 
-The supervisor sees only this interface. A :class:`GangLauncher` starts the ranks
-(:meth:`~GangLauncher.start`, in waves of at most :attr:`~GangLauncher.wave` ranks that are
-starting at once), signals them, stops them, and says what an outsider needs to end them
-(:meth:`~GangLauncher.state`). Each rank is a :class:`RankHandle` whose methods carry
-jupyter_client's provisioner names (``poll``, ``send_signal``, ``kill``, ``terminate``), and
-a :class:`~dist_kernel.parent.channels.Wire` the rank's channel talks over.
-
-:class:`LocalLauncher` starts each rank on this machine through jupyter_client (on IPC
-sockets in the kernel's private runtime directory, each with its own HMAC key) and signals it
-through ``km.provisioner``; :class:`~dist_kernel.parent.remote.RemoteLauncher` starts node
-agents through Slurm or SSH, which start the ranks.
+:class:`LocalLauncher` starts each rank through jupyter_client (on IPC sockets in the kernel's
+private runtime directory, each with its own HMAC key) and signals it through
+``km.provisioner``; :class:`ProcessEvents` hears the ranks exit, stop and continue as events.
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
+import logging
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
 
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.channels import SocketWire, Wire
-from dist_kernel.parent.fault_policy import RemoteCause
+from dist_kernel.parent.launch.base import GangLauncher
 from dist_kernel.parent.reaper import write_pids
 from dist_kernel.placement import rank_env
+from dist_kernel.processes import describe_exit, file_tail, proc_state
 
 #: gloo and NCCL talk over loopback: every rank of a local kernel is on this machine
 LOOPBACK = "lo"
@@ -40,131 +32,6 @@ LOOPBACK = "lo"
 START_WAVE = max(4, (os.cpu_count() or 1) // 2)
 
 
-class RankHandle(Protocol):
-    """One launched rank, as a launcher hands it out; provisioner method names."""
-
-    rank: int
-    #: what ``poll()`` last saw: the exit code (negative: the signal), None while it runs
-    returncode: int | None
-
-    @property
-    def pid(self) -> int | None: ...
-    @property
-    def host(self) -> str:
-        """The machine of a rank on another machine ("" on this one)."""
-    @property
-    def address(self) -> str:
-        """That machine's cluster address ("" on this one): how its peers are named."""
-
-    async def poll(self) -> int | None: ...
-    async def send_signal(self, signum: int) -> None: ...
-    async def kill(self) -> None: ...
-    async def terminate(self) -> None: ...
-    def exit_reason(self) -> str:
-        """Why it is gone, in words, as of the last ``poll()``; "" while it runs."""
-    def os_state(self) -> str:
-        """The process state letter (``T`` when stopped); "" when unknown."""
-    def log_tail(self, lines: int = 30) -> str: ...
-    def wire(self) -> tuple[dict, Wire]:
-        """The rank's Jupyter connection info (its HMAC key) and the wire to its channels."""
-
-
-class GangLauncher(abc.ABC):
-    """Starts, signals and ends the ranks of one kernel."""
-
-    #: how many ranks may be starting at once (:data:`START_WAVE` on one machine)
-    wave: int
-
-    #: told of a fault that takes the whole gang (a node lost, the launcher gone): the supervisor
-    #: hears for a moment, names the cause and stops every rank
-    on_fault: Callable[[RemoteCause], None] = staticmethod(lambda cause: None)  # type: ignore[assignment]
-
-    #: told when one rank's process may have changed (exited, stopped, continued): the supervisor
-    #: looks at that rank alone, so an idle parent costs nothing per rank (issue 26)
-    on_change: Callable[[RankHandle], None] = staticmethod(lambda handle: None)  # type: ignore[assignment]
-
-    #: whether :attr:`on_change` hears every change; if not, the supervisor polls every rank
-    watches = False
-
-    @abc.abstractmethod
-    def start(self, ranks: int) -> AsyncIterator[RankHandle]:
-        """Start ``ranks`` ranks, yielding each handle once its process exists. The caller
-        takes the next one only when a wave slot is free: taking it launches it."""
-
-    @abc.abstractmethod
-    async def stop(self, now: bool = False) -> None:
-        """End every rank (``now``: no shutdown request first); idempotent."""
-
-    @abc.abstractmethod
-    def stop_now(self) -> None:
-        """Last resort from any thread (atexit, SIGTERM): end what can be ended without waiting."""
-
-    async def signal(self, ranks: list[RankHandle], signum: int) -> None:
-        """Send ``signum`` to these ranks (their process groups: workers too)."""
-        for handle in ranks:
-            await handle.send_signal(signum)
-
-    @abc.abstractmethod
-    def store(self, generation: int) -> str:
-        """Where formation number ``generation`` of the group meets (``Join.store``)."""
-
-    def failure(self) -> str | None:
-        """How the launcher itself failed (srun/ssh ended), or None."""
-        return None
-
-    @abc.abstractmethod
-    def state(self) -> dict:
-        """What an outsider (the reaper, the next kernel's sweep) needs to end this gang."""
-
-    @abc.abstractmethod
-    def record(self) -> None:
-        """Write :meth:`state` where the reaper reads it."""
-
-
-def describe_exit(code: int | None) -> str:
-    """Human words for a process exit status."""
-    if code is None:
-        return "exited"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        hint = " (often the out-of-memory killer)" if -code == signal.SIGKILL else ""
-        return f"was killed by {name}{hint}"
-    return f"exited with code {code}"
-
-
-#: /proc/PID/stat states, in words
-_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O (D)", "T": "stopped",
-           "t": "stopped by a debugger", "Z": "a zombie", "X": "dead"}
-
-
-def state_words(letter: str) -> str:
-    return _STATES.get(letter, f"state {letter}" if letter else "state unknown")
-
-
-def proc_state(pid: int | None) -> str:
-    """A process's state letter from /proc (``T`` when stopped); "" when unknown."""
-    if pid is None:
-        return ""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-def file_tail(path: str, lines: int = 30) -> str:
-    """The last lines of a log file ("" when it cannot be read)."""
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
-
-
-# ============================================================================ this machine
 class ProcessEvents:
     """Hears the parent's own child processes change, without polling them (issue 26).
 
@@ -308,10 +175,13 @@ class LocalLauncher(GangLauncher):
 
     wave = START_WAVE
 
-    def __init__(self, config: KernelConfig, runtime_dir: str, extra_argv: list[str] | None = None) -> None:
+    def __init__(self, config: KernelConfig, runtime_dir: str, extra_argv: list[str], log: logging.Logger,
+                 on_note: Callable[[str], None]) -> None:
         self.config = config
         self.runtime_dir = runtime_dir
-        self.extra_argv = list(extra_argv or [])
+        self.extra_argv = list(extra_argv)
+        self.log = log
+        self.on_note = on_note  # nothing to wait for here: ranks on this machine start at once
         self.ranks: dict[int, LocalRank] = {}
         self._exits = ProcessEvents(self._changed_pid)
         self.watches = self._exits.available

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from dist_kernel.cleanup import RUNTIME_PREFIX, cancel_slurm, user_name
 from dist_kernel.exceptions import ConfigError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.cleanup import RUNTIME_PREFIX, cancel_slurm, user_name
-from dist_kernel.parent.cluster import NodeLauncher, _Child, run_quiet
+from dist_kernel.parent.launch.node_starters.base import NodeStarter, StarterProcess, run_quiet
+from dist_kernel.parent.launch.node_starters.routes import checked_source, this_host_names
 
 _QUEUED = re.compile(r"\bjob (\d+) queued and waiting for resources")
 _ALLOCATED = re.compile(r"\bjob (\d+) has been allocated resources")
@@ -111,7 +112,7 @@ def check_allocation(config: KernelConfig, environ: Mapping[str, str] | None = N
     """Inside a Slurm allocation, ``--nodes`` must be its node count (a step of N nodes in an
     allocation of M either fails or waits forever; each node is one agent)."""
     env = os.environ if environ is None else environ
-    if config.launcher != "slurm" or not env.get("SLURM_JOB_ID"):
+    if not env.get("SLURM_JOB_ID"):
         return
     raw = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
     if not raw or not raw.strip().isdigit():
@@ -190,10 +191,41 @@ def parse_slurmctld_host(config_text: str) -> str | None:
     return None
 
 
-class SlurmLauncher(NodeLauncher):
+class SlurmNodeStarter(NodeStarter):
     """One ``srun`` starts the agents on every node; see :func:`srun_argv`."""
 
     kind = "slurm"
+    munge_keys = True  # srun's stdin crosses the cluster network in clear
+
+    @classmethod
+    def check(cls, config: KernelConfig, environ: Mapping[str, str] | None = None) -> None:
+        check_allocation(config, environ)
+
+    @classmethod
+    def listen_address(cls, config: KernelConfig, environ: Mapping[str, str]) -> str:
+        """Inside an allocation: the route to the first allocated node that is not this machine
+        (its ``NodeAddr``); outside one (or when every node is this machine): the route to the
+        Slurm controller. Raises ConfigError naming the host when the route is unknown or loopback."""
+        nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        if environ.get("SLURM_JOB_ID") and nodelist:
+            here = this_host_names() | {environ.get("SLURMD_NODENAME", "").split(".", 1)[0].lower()} - {""}
+            nodes = expand_hostlist(nodelist, environ)
+            others = [n for n in nodes if n.split(".", 1)[0].lower() not in here]
+            if others:
+                return checked_source("the allocated node", slurm_node_address(others[0], environ))
+            if nodes:  # the whole allocation is this machine: the controller's route, else loopback works
+                ctl = slurmctld_host(environ)
+                try:
+                    return checked_source("the Slurm controller", ctl) if ctl else "127.0.0.1"
+                except ConfigError:
+                    return "127.0.0.1"
+        ctl = slurmctld_host(environ)
+        if not ctl:
+            raise ConfigError(
+                "Cannot tell this machine's address on the cluster network: `scontrol show config` did not "
+                "name the Slurm controller (is Slurm installed here and SLURM_CONF right?). Fix: pass "
+                "--listen ADDR, an address of this machine that the nodes can reach, then restart the kernel.")
+        return checked_source("the Slurm controller", ctl)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -205,8 +237,6 @@ class SlurmLauncher(NodeLauncher):
         self.name = effective_job_name(self.config.slurm_args, job_name(self.runtime_dir))
         self._allocated_noted = False
         self.cancelled: SlurmCancel | None = None  # Slurm's word that it ended the job or step
-        #: told of each thing srun says of the job (queued, allocated, ...), in the loop of start()
-        self.on_queue: Callable[[SrunEvent], None] | None = None
         self._srun_ended_step = False  # srun ended the step itself first (a task failed)
 
     def commands(self) -> list[tuple[str, str | None, list[str]]]:
@@ -235,7 +265,7 @@ class SlurmLauncher(NodeLauncher):
             return words
         return f"{self.cancelled.words()}.\n{words or self.cancelled.line}"
 
-    def _on_line(self, child: _Child, line: str) -> None:
+    def _on_line(self, child: StarterProcess, line: str) -> None:
         if _SRUN_ENDS_STEP.search(line):
             self._srun_ended_step = True
         cancel = parse_cancel_line(line)
