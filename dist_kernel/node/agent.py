@@ -127,10 +127,10 @@ class NodeAgent:
                  "ifname": self.ifname, "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
                  "step": os.environ.get("SLURM_STEP_ID")}
         if self.node == 0:  # rank 0 hosts the rendezvous on this node's cluster address
-            hello["master_port"] = free_port(self.address, self.boot.port_range, avoid=(port,))
+            hello["master_port"] = master_port = free_port(self.address, self.boot.port_range, avoid=(port,))
             # and MASTER_PORT is another free port: the kernel's TCPStore holds the first for its
             # life, so dist.init_process_group() by hand (env://, rank 0 binds MASTER_PORT) needs its own
-            hello["user_port"] = free_port(self.address, self.boot.port_range, avoid=(port, hello["master_port"]))
+            hello["user_port"] = free_port(self.address, self.boot.port_range, avoid=(port, master_port))
         self.send_ctl(hello)
 
     def cwd(self) -> str:
@@ -149,9 +149,12 @@ class NodeAgent:
             rank = rank_of(self.node, local, boot.ranks_per_node)
             ipc = os.path.join(self.runtime_dir, f"rank{rank}")
             cf = os.path.join(self.runtime_dir, f"rank{rank}.json")
+            ports = tunnel.ipc_ports()
             write_connection_file(cf, transport="ipc", ip=ipc, key=boot.rank_keys[str(rank)].encode(),
                                   signature_scheme="hmac-sha256", kernel_name="dist-kernel-rank",
-                                  **tunnel.ipc_ports())
+                                  shell_port=ports["shell_port"], iopub_port=ports["iopub_port"],
+                                  stdin_port=ports["stdin_port"], control_port=ports["control_port"],
+                                  hb_port=ports["hb_port"])
             env = rank_env(dict(os.environ), rank=rank, ranks_per_node=boot.ranks_per_node,
                            world_size=boot.world_size, master_addr=master_addr, master_port=master_port,
                            runtime_dir=self.runtime_dir, parent_pid=os.getpid(), gpus=boot.gpus,

@@ -42,7 +42,7 @@ IOPubHandler = Callable[[dict], None]
 _BATCH = 200
 
 
-def _fd(sock: zmq.Socket) -> int:
+def zmq_fd(sock: zmq.Socket) -> int:
     """The socket's ZMQ file descriptor, for the event loop (an int on every platform we run on)."""
     return int(sock.getsockopt(zmq.FD))  # type: ignore[arg-type]  # typed int | bytes for other options
 
@@ -177,7 +177,7 @@ class SocketWire:
         self._loop = loop
         self._deliver = deliver
         for channel, sock in self._sockets.items():
-            loop.add_reader(_fd(sock), self._drain, channel, sock)
+            loop.add_reader(zmq_fd(sock), self._drain, channel, sock)
             loop.call_soon(self._drain, channel, sock)
 
     def send(self, channel: str, frames: list) -> None:
@@ -210,7 +210,7 @@ class SocketWire:
                 continue
             if self._loop is not None and not self._loop.is_closed():
                 try:
-                    self._loop.remove_reader(_fd(sock))
+                    self._loop.remove_reader(zmq_fd(sock))
                 except Exception:  # noqa: BLE001 - already removed, or the loop is gone
                     pass
             try:

@@ -126,7 +126,7 @@ class LocalRank:
     def pid(self) -> int | None:
         provisioner = self.km.provisioner
         if self._pid is None and provisioner is not None:
-            self._pid = provisioner.pid
+            self._pid = provisioner.pid  # type: ignore[attr-defined]  # LocalProvisioner's, the only one used here
         return self._pid
 
     async def poll(self) -> int | None:
@@ -161,7 +161,7 @@ class LocalRank:
         return file_tail(self.log_path, lines)
 
     def wire(self) -> tuple[dict, Wire]:
-        info = self.km.get_connection_info(session=False)
+        info = dict(self.km.get_connection_info(session=False))
         return info, SocketWire(info)
 
     async def shutdown(self, now: bool) -> None:

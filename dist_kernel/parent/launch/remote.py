@@ -31,7 +31,7 @@ import zmq.auth.thread
 from dist_kernel import tunnel
 from dist_kernel.exceptions import ConfigError, RankStartError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.channels import Wire
+from dist_kernel.parent.channels import Wire, pending, zmq_fd
 from dist_kernel.parent.fault_policy import RemoteCause
 from dist_kernel.parent.launch.base import GangLauncher
 from dist_kernel.parent.launch.node_starters import default_listen, make_node_starter, node_starter_class
@@ -115,7 +115,7 @@ class AgentListener:
     def start(self) -> None:
         """Read the listener and beat, on the running event loop."""
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self.router.getsockopt(zmq.FD), self._drain)
+        self._loop.add_reader(zmq_fd(self.router), self._drain)
         self._loop.call_soon(self._drain)
         self._tick()
 
@@ -165,7 +165,7 @@ class AgentListener:
         loop = self._loop
         if loop is not None and not loop.is_closed() and _in_loop(loop):
             with contextlib.suppress(Exception):
-                loop.remove_reader(self.router.getsockopt(zmq.FD))
+                loop.remove_reader(zmq_fd(self.router))
         with contextlib.suppress(Exception):
             self.auth.stop()
         with contextlib.suppress(Exception):
@@ -195,7 +195,7 @@ class AgentListener:
             return
         try:
             for _ in range(_BATCH):
-                if not self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not pending(self.router):
                     return
                 frames = self.router.recv_multipart(zmq.NOBLOCK)
                 try:
@@ -474,6 +474,7 @@ class RemoteLauncher(GangLauncher):
         while len(got) < self.config.nodes:
             failure = self.node_starter.failure() if self.node_starter is not None else None
             if failure:
+                assert self.node_starter is not None  # only a starter fails
                 # what an agent said of the wiring (no route, unreachable parent) comes first
                 said = [ln.split(": ", 1)[1] for ln in self.node_starter.tail() if "dist_kernel node agent on" in ln]
                 if said:  # then the starter's own words add only how it ended
