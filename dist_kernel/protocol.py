@@ -192,6 +192,12 @@ class Place:
     group_seq: int | None = None
     #: the main thread is in autograd's backward pass (C++), where DDP starts its all_reduce
     in_backward: bool = False
+    #: the torch call it is in when that call started a collective in C++, with no
+    #: torch.distributed collective on the stack (``collective`` is None): its innermost Python
+    #: frame is torch's distributed code, named from the outside in, such as
+    #: ``DistributedDataParallel(...) / _verify_param_shape_across_processes /
+    #: _verify_params_across_processes``; ``group_ranks`` and ``seq`` are its group's. "" otherwise
+    native: str = ""
 
 
 @dataclass(frozen=True)

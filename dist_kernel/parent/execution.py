@@ -333,9 +333,10 @@ class CellRun:
         busy = [r for r in self.busy_ranks if via.alive(r)]
         places = dict(zip(busy, await asyncio.gather(*(via.where(r) for r in busy)), strict=True))
         idle_seqs: dict[int, int] = {}
-        if any(p is not None and p.in_backward for p in places.values()):
-            # how many collectives the idle ranks' group started: a busy rank in backward()
-            # ahead of them waits for them (DDP's all_reduce, started in C++); asked only then
+        if any(p is not None and (p.in_backward or p.native) for p in places.values()):
+            # how many collectives the idle ranks' group started: a busy rank in backward() or in
+            # a C++ call of torch's distributed code ahead of them waits for them (DDP's
+            # all_reduce or its constructor's broadcast, started in C++); asked only then
             idle = [r for r in self.state().idle if via.alive(r)]
             for r, p in zip(idle, await asyncio.gather(*(via.where(r) for r in idle)), strict=True):
                 if p is not None and p.group_seq is not None:
@@ -500,7 +501,7 @@ def _seen(place: Place | None) -> fault_policy.Seen:
     return fault_policy.Seen(answered=True, collective=place.collective, group_ranks=tuple(place.group_ranks),
                              peer=place.peer, seq=place.seq, line=place.line, store_wait=place.store_wait,
                              in_code=place.in_code, group_seq=place.group_seq,
-                             in_backward=place.in_backward)
+                             in_backward=place.in_backward, native=place.native)
 
 
 def _capture_change(msg_type: str, content: dict) -> bool:

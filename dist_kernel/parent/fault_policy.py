@@ -10,9 +10,14 @@ each busy rank waits, the time) and gets back a decision. The rules:
    that is idle (finished the cell, or not selected by ``%%rank``) waits for a rank that will
    never come. So does a busy rank in ``backward()`` whose default group has started more
    collectives than an idle rank's: it started one in C++ that the idle rank never entered
-   (DDP's gradient all_reduce, where no torch.distributed call shows on the stack). The count
-   is torch's, point-to-point calls included, so ranks that sent to each other in earlier
-   cells are ahead of a third for good: only a rank in ``backward()`` is judged by it. Once
+   (DDP's gradient all_reduce, where no torch.distributed call shows on the stack). So does a
+   busy rank in a C++ call of torch's distributed code (its innermost Python frame is there:
+   ``DDP(...)`` verifying and broadcasting the parameters, accelerate's ``prepare``) whose
+   default group is ahead of an idle member's in the same way. The count is torch's,
+   point-to-point calls included, so ranks that sent to each other in earlier cells are ahead
+   of a third for good: only a rank in ``backward()`` or in such a call is judged by it (the
+   count keeps a rank that only computes there, such as a checkpoint written by rank 0 alone
+   with ``no_dist=True``, from being taken for a blocked one). Once
    every busy rank is blocked in one of these ways, and at least one of them waits for an idle
    rank, tear the group down on the idle ranks: the blocked ones raise at once.
    Grace: ``hang_grace`` after the first rank finished (or after the start, when ``%%rank``
@@ -21,8 +26,9 @@ each busy rank waits, the time) and gets back a decision. The rules:
    idle, the calls cannot complete each other (different collectives, different sequence
    numbers, two ranks each receiving from the other), and nothing changed for half the grace:
    a deadlock. Tear the group down on every rank. Reported within ``hang_grace``.
-4. **Interrupt.** One second after the stop button, ranks still blocked in a collective did
-   not react to SIGINT (C++ does not return to Python): tear the group down on every rank.
+4. **Interrupt.** One second after the stop button, ranks still blocked in a collective, or in
+   a C++ call of torch's distributed code, did not react to SIGINT (C++ does not return to
+   Python): tear the group down on every rank.
    Five seconds after it, ranks still running the cell's code are left behind so that the cell
    ends; a rank whose code has stopped and that is still formatting its traceback (slow on a
    loaded machine) is waited for, up to half a minute.
@@ -80,6 +86,9 @@ class Seen:
     #: how many collectives its default group has started (None: no group, or torch does not say)
     group_seq: int | None = None
     in_backward: bool = False  # in autograd's backward pass (C++), where DDP starts its all_reduce
+    #: the torch call it is in, when its innermost Python frame is torch's distributed code (so it
+    #: is in a C++ call that may be a collective: ``DistributedDataParallel(...) / ...``); "" if not
+    native: str = ""
 
     @property
     def blocked(self) -> bool:
@@ -199,7 +208,9 @@ class Judge:
                 return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(seen[r])}"
                                             for r in verdict.stuck}, teardown_on=verdict.teardown_on,
                                ename="KeyboardInterrupt")
-        blocked = [r for r in busy if r in seen and seen[r].blocked]
+        # a rank still in a C++ call of torch's distributed code a second after SIGINT did not
+        # react to it either (a collective on a group whose count says nothing, say a subgroup's)
+        blocked = [r for r in busy if r in seen and (seen[r].blocked or (seen[r].answered and seen[r].native))]
         if blocked:
             return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(seen[r])}"
                                        for r in blocked},
@@ -306,15 +317,19 @@ def remote_culprit(causes: Iterable[RemoteCause]) -> RemoteCause:
 
 def _behind(cell: Cell, s: Seen) -> list[int]:
     """The idle ranks whose default group started fewer collectives than this busy rank's, which
-    is in ``backward()``: it started one they never entered, and cannot finish it while they
-    are idle."""
-    if not s.answered or s.group_seq is None or not s.in_backward:
+    is in ``backward()`` or in a C++ call of torch's distributed code (of those, the members of
+    the call's group): it started one they never entered, and cannot finish it while they are
+    idle."""
+    if not s.answered or s.group_seq is None or not (s.in_backward or s.native):
         return []
-    return sorted(r for r, seq in cell.idle_seqs.items() if r in cell.idle and seq < s.group_seq)
+    members = set(s.group_ranks) if s.native and not s.in_backward and s.group_ranks else set(cell.idle)
+    return sorted(r for r, seq in cell.idle_seqs.items() if r in cell.idle and r in members and seq < s.group_seq)
 
 
 def _blocked_in(s: Seen) -> str:
     """Where a blocked rank waits, in words."""
+    if s.collective is None and s.native and not s.in_backward:  # ahead of an idle rank (rule 2)
+        return f"{s.native} (a collective that torch started in C++)"
     if s.collective is None:  # ahead of an idle rank (rule 2): nothing on the stack names it
         return "a collective that torch started without a torch.distributed call (DDP's gradient all_reduce " \
                "in backward(), say)"

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import linecache
 import os
+import re
 import signal
 import socket
 import sys
@@ -153,6 +155,11 @@ def where() -> Place:
         collective = public
     group_ranks: list[int] = []
     peer = seq = None
+    native = ""
+    if dist_frame is None and busy:
+        native, native_group = _native_call(frame)
+        if native:
+            group_ranks, seq = _group_info(native_group)
     if dist_frame is not None:
         args = dist_frame.f_locals
         group_ranks, seq = _group_info(args.get("group"))
@@ -166,7 +173,58 @@ def where() -> Place:
     line = f"line {cell[-1].lineno}: {cell[-1].line}" if cell else ""
     return Place(collective=collective, group_ranks=group_ranks, peer=peer, seq=seq, stack=stack,
                  line=line, busy=busy, store_wait=store_wait, in_code=in_code(), group_seq=group_seq(),
-                 in_backward=backward)
+                 in_backward=backward, native=native)
+
+
+#: torch's code that starts collectives in C++, with no torch.distributed collective on the stack
+#: (DDP's constructor verifies and broadcasts the parameters through dist._verify_params_across_processes
+#: and dist._broadcast_coalesced)
+_NATIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/")
+#: the local names under which torch's code holds the process group it works on
+_GROUP_NAMES = ("process_group", "group", "pg")
+_CALLEE = re.compile(r"([A-Za-z_]\w*)\s*\(")
+
+
+def _native_call(frame: FrameType) -> tuple[str, object]:
+    """The torch call the main thread is in when its innermost Python frame is torch's
+    distributed code (so it is in a C++ call that code made), named from the outermost torch
+    frame inwards: ``DistributedDataParallel(...) / _verify_param_shape_across_processes /
+    _verify_params_across_processes``; and the process group found on the way (None: the
+    default one). ``""`` when the main thread is elsewhere."""
+    if not any(p in frame.f_code.co_filename for p in _NATIVE_CODE):
+        return "", None
+    group: object = None
+    outer = frame
+    f: FrameType | None = frame
+    while f is not None and "/torch/" in f.f_code.co_filename:
+        if group is None:
+            group = _group_in(f.f_locals)
+        outer, f = f, f.f_back
+    names = [_frame_call(outer)]
+    if frame is not outer:
+        names.append(frame.f_code.co_name)
+    callee = _CALLEE.search(linecache.getline(frame.f_code.co_filename, frame.f_lineno))
+    if callee and callee[1] not in names:
+        names.append(callee[1])
+    return " / ".join(names), group
+
+
+def _frame_call(f: FrameType) -> str:
+    """What the user called to enter this frame: a class's name for its constructor."""
+    if f.f_code.co_name == "__init__" and "self" in f.f_locals:
+        return f"{type(f.f_locals['self']).__name__}(...)"
+    return f"{f.f_code.co_name}(...)"
+
+
+def _group_in(names: dict) -> object:
+    """A process group held under one of :data:`_GROUP_NAMES`, or None."""
+    dist = sys.modules.get("torch.distributed")
+    kind = getattr(dist, "ProcessGroup", None)
+    for name in _GROUP_NAMES:
+        value = names.get(name)
+        if kind is not None and isinstance(value, kind):
+            return value
+    return None
 
 
 def _group_info(group: object) -> tuple[list[int], int | None]:

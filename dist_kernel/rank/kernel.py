@@ -22,12 +22,13 @@ completion, display and comms as the plain Python kernel. What it adds:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ipykernel.compiler import XCachingCompiler, get_tmp_hash_seed, murmur2_x86
@@ -67,6 +68,8 @@ class RankKernel(IPythonKernel):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if self.shell_channel_thread is None:  # no subshells (RankKernelApp.init_control)
+            self.shell_channel_thread = _NoShellChannel()
         self._main_loop: asyncio.AbstractEventLoop | None = None
         self.shell.events.register("pre_run_cell", agent.before_cell)
         self.shell.events.register("post_run_cell", agent.after_cell)
@@ -88,10 +91,15 @@ class RankKernel(IPythonKernel):
         if pub is not None:
             pub.publish = _marking_branches(pub.publish)
 
+    @property
+    def _supports_kernel_subshells(self) -> bool:
+        return False  # the stand-in of _NoShellChannel is not a shell channel thread
+
     @staticmethod
     def _showing(show: Callable[..., Any]) -> Callable[..., Any]:
         """``shell.showtraceback`` that tells the agent the cell's code is not running."""
         def showtraceback(*args: Any, **kwargs: Any) -> Any:
+            _drop_interrupt_frame(sys.exc_info()[1])
             with agent.showing_traceback(bool(kwargs.get("running_compiled_code")), sys.exc_info()[1]):
                 return show(*args, **kwargs)
 
@@ -101,6 +109,24 @@ class RankKernel(IPythonKernel):
         """SIGINT raises only while a cell's own code runs (see :func:`agent.in_code`)."""
         super().pre_handler_hook()
         signal.signal(signal.SIGINT, _interrupt_cell)
+
+    @contextlib.contextmanager
+    def _cancel_on_sigint(self, future: asyncio.Future) -> Iterator[None]:
+        """ipykernel's SIGINT handler for a cell with a top-level ``await``, which cancels the
+        cell's coroutine, and then wakes the event loop. ipykernel schedules the cancel from the
+        handler with a ``call_soon`` that nothing wakes up for: a cell awaiting a 100 s sleep
+        went on sleeping after the stop button, and was given up on as "did not stop"."""
+        with super()._cancel_on_sigint(future):
+            cancel = signal.getsignal(signal.SIGINT)
+            loop = asyncio.get_running_loop()
+
+            def cancel_and_wake(signum: int, frame: Any) -> None:
+                if callable(cancel):
+                    cancel(signum, frame)
+                loop.call_soon_threadsafe(_nothing)  # writes to the loop's self-pipe: it wakes
+
+            signal.signal(signal.SIGINT, cancel_and_wake)
+            yield  # ipykernel's context restores the handler it found (_interrupt_cell)
 
     def _counted(self, send: Callable[..., Any]) -> Callable[..., Any]:
         """``session.send`` that counts the IOPub messages of the running cell (every thread's:
@@ -237,6 +263,21 @@ class RankKernel(IPythonKernel):
         super()._publish_status(status, channel, parent)
 
 
+class _NoShellChannel:
+    """Stands in for the shell channel thread that a rank does without (no subshells).
+
+    ipykernel's ``do_execute`` asks it, for a cell with a top-level ``await``, whether the
+    cell runs on the shell's own thread (``parent_thread``: then SIGINT cancels the cell's
+    coroutine). With None there it raised AttributeError after the coroutine had started: the
+    cell ran, but no reply was ever sent, and it stayed busy for good (issue 30). Falsy, as the
+    None it replaces, for ipykernel's every other ``if shell_channel_thread`` check."""
+
+    parent_thread = threading.main_thread()
+
+    def __bool__(self) -> bool:
+        return False
+
+
 def _marking_branches(publish: Callable[..., Any]) -> Callable[..., Any]:
     """``display_pub.publish`` that marks a display made inside a branch on the rank."""
     def marking_publish(data: dict, metadata: dict | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -252,6 +293,24 @@ def _interrupt_cell(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
     # else the cell's code is over (its traceback is being shown, its reply sent): the stop
     # this signal asked for has happened
+
+
+def _drop_interrupt_frame(error: BaseException | None) -> None:
+    """A KeyboardInterrupt raised by :func:`_interrupt_cell` ends in its frame, which is the
+    kernel's, not the user's: cut it off, so the traceback ends where the cell was stopped, as
+    in a plain kernel. (``__tracebackhide__`` cannot do it: IPython always shows the last frame.)"""
+    if not isinstance(error, KeyboardInterrupt):
+        return
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        if tb.tb_next.tb_next is None and tb.tb_next.tb_frame.f_code is _interrupt_cell.__code__:
+            tb.tb_next = None  # writable since Python 3.7
+            return
+        tb = tb.tb_next
+
+
+def _nothing() -> None:
+    return
 
 
 def _msg_id(parent: Any) -> str | None:

@@ -120,6 +120,57 @@ def test_an_interrupt_of_a_rank_ahead_of_an_idle_rank_is_one_keyboard_interrupt(
                           "torch.distributed call (DDP's gradient all_reduce in backward(), say)"}
 
 
+DDP_INIT = "DistributedDataParallel(...) / _verify_param_shape_across_processes / _verify_params_across_processes"
+
+
+def in_native(group_seq: int | None, group=(0, 1), call: str = DDP_INIT) -> Seen:
+    """A rank in ``DDP(model)``: its constructor's collective runs in C++, called from torch's
+    distributed code, with no torch.distributed collective on the stack."""
+    return Seen(answered=True, collective=None, group_ranks=tuple(group), line="line 1: m = DDP(model)",
+                group_seq=group_seq, native=call)
+
+
+def test_a_cpp_collective_in_a_rank_magic_cell_is_torn_down_on_the_ranks_left_out_naming_the_call():
+    # %%rank 0 around DDP(...): its constructor started collective #2, which rank 1 (not selected) never will
+    c = cell(ranks=(0,), busy=(0,), idle_seqs={1: 1})
+    v = Judge().judge(c, {0: in_native(2)}, now=10.0)
+    assert v.action == "teardown" and v.teardown_on == (1,) and v.ename == "CollectiveHangError"
+    assert v.stuck[0] == (f"rank 0 was blocked in {DDP_INIT} (a collective that torch started in C++), which "
+                          "rank 1 never entered (idle: finished or not selected by %%rank)")
+
+
+def test_a_rank_in_torchs_distributed_code_that_started_no_collective_beyond_the_idle_ranks_is_left_alone():
+    # rank 0 alone writing a checkpoint with no_dist=True: in torch.distributed's code, calling into C++,
+    # but its group started nothing the idle rank did not
+    c = cell(ranks=(0,), busy=(0,), idle_seqs={1: 4})
+    saving = "save(...) / write_data / save"
+    assert Judge().judge(c, {0: in_native(4, call=saving)}, now=60.0).action == "wait"
+    assert Judge().judge(c, {0: in_native(None, call=saving)}, now=60.0).action == "wait"  # torch did not say
+    assert Judge().judge(cell(ranks=(0,), busy=(0,)), {0: in_native(9)}, now=60.0).action == "wait"  # unknown
+
+
+def test_a_cpp_collective_on_a_sub_group_blames_only_the_idle_members_of_that_group():
+    c = Cell(ranks=(0, 1), world=(0, 1, 2), busy=(0,), first_finished=0.0, idle_seqs={1: 3, 2: 3})
+    v = Judge().judge(c, {0: in_native(4, group=(0, 2))}, now=60.0)
+    assert v.action == "teardown" and "which rank 2 never entered" in v.stuck[0]
+    assert Judge().judge(c, {0: in_native(4, group=(0,))}, now=60.0).action == "wait"  # a group of its own
+
+
+def test_one_stop_of_a_cpp_collective_in_a_rank_magic_cell_tears_the_group_down_on_the_ranks_left_out():
+    c = cell(ranks=(0,), busy=(0,), interrupted_at=10.0, idle_seqs={1: 1})
+    v = Judge().judge(c, {0: in_native(2)}, now=11.0)
+    assert v.action == "teardown" and v.ename == "KeyboardInterrupt" and v.teardown_on == (1,)
+    assert v.stuck == {0: f"rank 0 was interrupted while blocked in {DDP_INIT} (a collective that torch started "
+                          "in C++)"}
+
+
+def test_a_rank_still_in_torchs_cpp_code_a_second_after_a_stop_is_torn_down_not_left_running():
+    # no count to go by (a sub-group's collective): SIGINT cannot reach C++, so the group is torn down
+    c = cell(interrupted_at=10.0)
+    v = Judge().judge(c, {0: in_native(None), 1: in_native(None)}, now=11.0)
+    assert v.action == "teardown" and v.teardown_on == (0, 1) and v.ename == "KeyboardInterrupt"
+
+
 def test_a_sub_group_collective_whose_members_are_all_busy_is_left_alone():
     c = Cell(ranks=(0, 1, 2), world=(0, 1, 2), busy=(0, 1), first_finished=0.0)
     seen = {0: blocked("all_reduce", group=(0, 1)), 1: blocked("all_reduce", group=(0, 1))}
