@@ -342,7 +342,8 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
     else:
         gpus = _local_gpus(raw["gpus"], visible_gpus(dict(env)) if available_gpus is None else available_gpus)
 
-    backend = value["backend"] or ("nccl" if gpus else "gloo")
+    chosen = value["backend"]  # None: the kernel picks, once the ranks per GPU are known
+    backend = chosen or ("nccl" if gpus else "gloo")
     if backend == "nccl" and not gpus:
         if remote:
             raise ConfigError(
@@ -363,6 +364,7 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
         nodes = 1
         world = given_ranks or given_per_node or (len(gpus) if gpus else 2)
         per_node = world
+        backend = _default_backend(chosen, backend, per_node, gpus, warnings)
         if backend == "nccl" and world > len(gpus):
             raise ConfigError(
                 f"--ranks {world} with nccl needs {world} GPUs but only {len(gpus)} are selected "
@@ -392,6 +394,7 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
         else:
             per_node = len(gpus) if gpus else 1
         world = nodes * per_node
+        backend = _default_backend(chosen, backend, per_node, gpus, warnings)
         if backend == "nccl" and per_node > len(gpus):
             raise ConfigError(
                 f"--ranks-per-node {per_node} with nccl needs {per_node} GPUs on each node but only "
@@ -402,12 +405,7 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
         gpus = gpus[:per_node]
     if gpus and per_node > len(gpus):
         where = " on each node" if remote else ""
-        # seen on an H100 at 2 ranks: accelerate's DistributedDataParallel gets device_ids=[LOCAL_RANK],
-        # and rank 1 fails in the first forward pass with IndexError, as it does under torchrun
-        warnings.append(f"{per_node} ranks share {len(gpus)} GPU(s){where} over gloo. Code that puts rank "
-                        "LOCAL_RANK on GPU LOCAL_RANK fails on the ranks past the last GPU (accelerate and "
-                        "Transformers' Trainer do: IndexError in the first forward pass); plain DDP on "
-                        "`device` works.")
+        warnings.append(shared_gpu_warning(per_node, len(gpus), where))
 
     config = KernelConfig(world_size=world, backend=backend, gpus=tuple(gpus), timeout=get("timeout"),
                           startup_timeout=get("startup_timeout"), merge_window=get("merge_window_ms"),
@@ -419,6 +417,31 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
     if not remote:  # the nodes' memory and cores cannot be seen from here
         warnings += capacity.check(config, capacity.this_machine() if machine is None else machine)
     return dataclasses.replace(config, warnings=tuple(warnings))
+
+
+def _default_backend(chosen: str | None, backend: str, per_node: int, gpus: list[int],
+                     warnings: list[str]) -> str:
+    """The backend where the user chose none: gloo when ranks must share GPUs, since NCCL cannot
+    put two ranks on one GPU (one GPU and ``--ranks 2`` is the common workstation). Said once, in
+    the first cell. A backend the user chose is kept, and checked by the caller."""
+    if chosen is None and backend == "nccl" and per_node > len(gpus):
+        warnings.append(f"backend gloo, not nccl: {per_node} ranks on {len(gpus)} GPU(s) must share them, and "
+                        "NCCL cannot put two ranks on one GPU. For nccl, use one rank per GPU "
+                        f"(--ranks {len(gpus)}); pass --backend gloo to choose gloo yourself and drop this line.")
+        return "gloo"
+    return backend
+
+
+def shared_gpu_warning(per_node: int, gpus: int, where: str = "") -> str:
+    """What ranks that share GPUs over gloo mean for the user's code, with what to do."""
+    # seen on an H100 at 2 ranks: accelerate's DistributedDataParallel gets device_ids=[LOCAL_RANK],
+    # and rank 1 fails in the first forward pass with IndexError, as it does under torchrun
+    return (f"{per_node} ranks share {gpus} GPU(s){where} over gloo. Code that puts rank LOCAL_RANK on GPU "
+            "LOCAL_RANK fails on the ranks past the last GPU: accelerate and Transformers' Trainer do "
+            "(IndexError in the first forward pass). With them, use one rank per GPU "
+            f"({'--ranks-per-node' if where else '--ranks'} {gpus}), or train on CPU: Accelerator(cpu=True), "
+            "TrainingArguments(use_cpu=True). Plain DDP on `device` works as it is.")
+
 
 def _parse(option: Option, text: str, ns: argparse.Namespace) -> object:
     """An option's value; an error names the environment variable when the text came from there."""

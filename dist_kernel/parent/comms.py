@@ -7,7 +7,9 @@ the same way is one comm with the same id on each of them: the frontend sees one
 - **Rank to frontend.** The first ``comm_open`` of an id is relayed; the same id opened by more
   ranks adds them to the comm's owners and is not relayed again. The owner that opened it first
   leads: its ``comm_msg`` and ``comm_close`` are relayed, the others' (the same state changes,
-  made again on each rank) are not, since the frontend can show one state per widget. A comm
+  made again on each rank) are not, since the frontend can show one state per widget. Once the
+  leader closed the comm, the other owners' ``comm_close`` (the same ``close()`` on each rank) is
+  dropped too, whichever order they come in: the frontend hears of the close once. A comm
   opened by one rank only (a widget that differs between ranks) has that rank alone as owner.
 - **Frontend to rank.** A message for a comm goes to every rank that owns it, so moving a shared
   slider changes the value on every rank; a comm the frontend opens goes to rank 0. What the
@@ -67,6 +69,9 @@ class CommRouter:
         self.merged = merged  # makes the run that merges the output of a callback on several ranks
         self.owners: dict[str, list[int]] = {}  # comm_id -> the ranks that hold it; the first leads
         self._frontend_id: OrderedDict[str, str] = OrderedDict()  # id sent to a rank -> frontend id
+        # comm_id -> owners yet to close it, after its leader's close was relayed (bounded: a rank
+        # that never closes its copy must not make this grow)
+        self._closing: OrderedDict[str, set[int]] = OrderedDict()
 
     def sent(self, child_msg_id: str, frontend_msg_id: str) -> None:
         """The parent sent ``child_msg_id`` to a rank on behalf of ``frontend_msg_id``."""
@@ -89,17 +94,28 @@ class CommRouter:
         if comm_id is not None:
             owners = self.owners.get(comm_id)
             if msg_type == "comm_open":
+                self._closing.pop(comm_id, None)
                 if owners is not None:
                     if rank not in owners:
                         owners.append(rank)
                     return None
                 self.owners[comm_id] = [rank]
+            elif owners is None and rank in self._closing.get(comm_id, ()):
+                if msg_type == "comm_close":  # the leader's close went out already
+                    self._closing[comm_id].discard(rank)
+                    if not self._closing[comm_id]:
+                        del self._closing[comm_id]
+                return None
             elif owners is not None and rank in owners and owners[0] != rank:
                 if msg_type == "comm_close":
                     owners.remove(rank)
                 return None
             elif msg_type == "comm_close":
-                self.owners.pop(comm_id, None)
+                rest = set(self.owners.pop(comm_id, None) or ()) - {rank}
+                if rest:
+                    self._closing[comm_id] = rest
+                    while len(self._closing) > _RECENT:
+                        self._closing.popitem(last=False)
         data = content.get("data")
         state = data.get("state") if isinstance(data, dict) else None
         if isinstance(state, dict) and state.get("msg_id") in self._frontend_id:

@@ -2,7 +2,10 @@
 
 ``%%rank SPEC`` on a cell's first line selects the ranks that run the rest of the cell.
 SPEC is ``all``, a rank (``0``), a list (``0,2``), a range (``1-3``), a mix (``0,2-3``),
-optionally in brackets (``[0,1]``).
+optionally in brackets (``[0,1]``), and may end in a ``# comment``. Ranks are ASCII digits
+(``１``, a full-width digit, is refused: Python's ``int`` would take it, a reader would not).
+Below other cell magics (``%%time`` then ``%%rank 0``) it selects the ranks the same way: the
+ranks run the cell with the other magics, as if ``%%rank`` were first.
 
 Line magics the parent answers itself, on a cell's leading lines:
 
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 from dist_kernel.exceptions import RankSpecError
 
 _RANK_LINE = re.compile(r"^\s*%%rank(?:\s+(?P<spec>.*?))?\s*$")
-_PIECE = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
+_PIECE = re.compile(r"^([0-9]+)(?:\s*-\s*([0-9]+))?$")  # not \d: it matches every script's digits
+_CELL_MAGIC = re.compile(r"^\s*%%\w")
 
 
 PARENT_MAGICS = ("dist_status", "dist_output", "dist_empty_cache")
@@ -53,7 +57,7 @@ def split_parent_magics(code: str) -> tuple[list[tuple[str, str]], str]:
 
 def parse_rank_spec(spec: str, world_size: int) -> tuple[int, ...]:
     """Parse a rank selection into sorted rank ids, validating against the world size."""
-    text = spec.strip()
+    text = spec.split("#", 1)[0].strip()  # `%%rank 0  # the logger`: a comment, as in Python
     hint = (f"This kernel has ranks 0-{world_size - 1}; write e.g. `%%rank all`, `%%rank 0`, "
             f"`%%rank 0,{world_size - 1}` or `%%rank 0-{world_size - 1}`.")
     if text.startswith("[") and text.endswith("]"):
@@ -87,12 +91,18 @@ def plan_cell(code: str, world_size: int) -> CellPlan:
     lines = code.split("\n")
     first = next((i for i, line in enumerate(lines) if line.strip()), None)
     if first is not None:
-        m = _RANK_LINE.match(lines[first])
-        if m:
-            ranks = parse_rank_spec(m.group("spec") or "", world_size)
-            # keep line numbers and cursor offsets right: blank the magic line, same length
-            body = "\n".join([" " * len(line) for line in lines[:first + 1]] + lines[first + 1:])
-            return CellPlan(ranks=ranks, code=body, selected=True)
+        # the cell's leading cell magics: each one's body starts with the next, so `%%rank` may
+        # be any of them (`%%time` then `%%rank 0`: rank 0 times the rest)
+        i = first
+        while i < len(lines) and _CELL_MAGIC.match(lines[i]):
+            m = _RANK_LINE.match(lines[i])
+            if m:
+                ranks = parse_rank_spec(m.group("spec") or "", world_size)
+                # keep line numbers and cursor offsets right: blank the magic line, same length (a
+                # blank line that starts a magic's body is dropped by IPython's own transform)
+                body = "\n".join(" " * len(line) if n < first or n == i else line for n, line in enumerate(lines))
+                return CellPlan(ranks=ranks, code=body, selected=True)
+            i += 1
     return CellPlan(ranks=tuple(range(world_size)), code=code, selected=False)
 
 

@@ -8,7 +8,8 @@ output type per second, each with a burst. Past it, output goes to a spill file 
 the frontend: stream text as it is, rich outputs as their ``text/plain``. The frontend is told
 once where the file is; when the cell ends it learns how much was not shown and gets the
 cell's last lines (bounded in bytes) and the newest state of every display updated meanwhile.
-No stream message is longer than :data:`MAX_MESSAGE` bytes.
+A cell's result and its errors are never held back: they are what the user asked for, and
+one message each (see :data:`ALWAYS`). No stream message is longer than :data:`MAX_MESSAGE` bytes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ MAX_FINAL_UPDATES = 100  # displays whose newest state is shown when a flood end
 
 #: the messages the budget counts; anything else (comms, status) is not cell output
 THROTTLED = ("stream", "display_data", "execute_result", "update_display_data", "error", "clear_output")
+#: always sent, even past the budget: while a spill lasts they wait for its end (after the
+#: notice and the last lines, where a plain kernel would show them: after the cell's prints)
+ALWAYS = ("execute_result", "error")
 
 
 def _nbytes(text: str) -> int:
@@ -128,7 +132,9 @@ class StreamThrottle:
         self.closed = False
         self._file = None
         self.skipped_bytes = self.skipped_lines = self.skipped_outputs = 0
+        self._mid_line: dict[str, bool] = {}  # stream -> the text diverted last ended inside a line
         self._tails: dict[str, _Tail] = {}
+        self._kept: list[tuple[str, dict]] = []  # results and errors that wait for the spill's end
         self._updates: OrderedDict[str, dict] = OrderedDict()  # display_id -> newest update not shown
 
     def publish(self, msg_type: str, content: dict) -> None:
@@ -139,6 +145,9 @@ class StreamThrottle:
         b.refill()
         if self.spilling and self.closed and b.full:
             self._end_spill()  # late output slowed down: show it again
+        if msg_type in ALWAYS:
+            self._always(msg_type, content)
+            return
         if self.spilling:
             self._divert(msg_type, content)
             return
@@ -174,6 +183,15 @@ class StreamThrottle:
             self._start_spill()
             self._divert("stream", dict(content, text=text))
 
+    def _always(self, msg_type: str, content: dict) -> None:
+        """A result or an error: sent now, or after the spill that is under way ends."""
+        self.budget.spend()  # counted, though never refused: the rate recovers from it
+        if self.spilling and not self.closed:
+            self._write(_as_text(msg_type, content))  # the file stays the cell's full output, in order
+            self._kept.append((msg_type, content))
+            return
+        self._publish(msg_type, content)
+
     # ------------------------------------------------------------ spilling
     def _start_spill(self) -> None:
         self.spilling = True
@@ -202,9 +220,15 @@ class StreamThrottle:
             return
         if msg_type == "stream":
             text = content["text"]
+            name = content["name"]
             self.skipped_bytes += _nbytes(text)
-            self.skipped_lines += text.count("\n")
-            self._tails.setdefault(content["name"], _Tail()).add(text)
+            if text:
+                # lines begun here: each newline ends one, an unfinished end begins one, and a
+                # line the previous text left unfinished was counted already
+                ends_open = not text.endswith("\n")
+                self.skipped_lines += text.count("\n") + ends_open - self._mid_line.get(name, False)
+                self._mid_line[name] = ends_open
+            self._tails.setdefault(name, _Tail()).add(text)
         else:
             self.skipped_outputs += 1
             text = _as_text(msg_type, content)
@@ -237,16 +261,9 @@ class StreamThrottle:
         """Say what was not shown, then show the last lines and the displays' newest state."""
         self._close_file()
         self.spilling = False
-        what = []
-        if self.skipped_lines or self.skipped_bytes:
-            what.append(f"{self.skipped_lines:,} lines ({self.skipped_bytes / 2**20:.1f} MiB)")
-        if self.skipped_outputs:
-            what.append(f"{self.skipped_outputs:,} output{'s' if self.skipped_outputs != 1 else ''}")
-        single = not self.skipped_bytes and self.skipped_outputs == 1
         tails = {name: t.text() for name, t in self._tails.items()}
         tails = {name: text for name, text in tails.items() if text}
-        note = (f"[dist_kernel] {' and '.join(what)} {'was' if single else 'were'} not shown; "
-                f"full output: {self.spill_path}\n") if what else f"[dist_kernel] full output: {self.spill_path}\n"
+        note = not_shown_note(self.skipped_lines, self.skipped_bytes, self.skipped_outputs, self.spill_path)
         if tails:
             note += "[dist_kernel] last lines:\n"
         self._publish("stream", {"name": "stderr", "text": note})
@@ -254,16 +271,33 @@ class StreamThrottle:
             self._publish("stream", {"name": name, "text": text})
         for content in self._updates.values():
             self._publish("update_display_data", content)
+        for msg_type, content in self._kept:
+            self._publish(msg_type, content)
         self.budget.spend(sum(_nbytes(t) for t in tails.values()))
         self.skipped_bytes = self.skipped_lines = self.skipped_outputs = 0
+        self._mid_line.clear()
         self._tails.clear()
         self._updates.clear()
+        self._kept.clear()
 
     def close(self) -> None:
         """The cell ended: end its spill, if any. What comes later is late output."""
         if self.spilling:
             self._end_spill()
         self.closed = True
+
+
+def not_shown_note(lines: int, nbytes: int, outputs: int, spill_path: str | None) -> str:
+    """``[dist_kernel] 3 lines (2.9 MiB) and 1 output were not shown; full output: PATH``."""
+    what = []
+    if lines or nbytes:
+        what.append(f"{lines:,} line{'s' if lines != 1 else ''} ({nbytes / 2**20:.1f} MiB)")
+    if outputs:
+        what.append(f"{outputs:,} output{'s' if outputs != 1 else ''}")
+    if not what:
+        return f"[dist_kernel] full output: {spill_path}\n"
+    single = len(what) == 1 and (outputs == 1 if outputs else lines == 1)
+    return f"[dist_kernel] {' and '.join(what)} {'was' if single else 'were'} not shown; full output: {spill_path}\n"
 
 
 def _as_text(msg_type: str, content: dict) -> str:

@@ -154,6 +154,32 @@ def test_a_sweep_ends_a_dead_kernels_processes_and_spares_a_live_kernels_and_str
             p.wait()
 
 
+def test_another_kernels_sweep_ends_a_dead_ranks_leftovers_named_or_not(tmp_path):
+    # a dead kernel's rank (a session leader, as ranks are) left two children in its session,
+    # one with the kernel's variable, one with a scrubbed environment; the sweep of another
+    # kernel (which does not know this kernel's runtime dir, nor its rank pids) runs first
+    runtime = tmp_path / f"dist_kernel-{dead_pid()}-abcdefgh"
+    runtime.mkdir()
+    rank = subprocess.Popen([sys.executable, "-c", "import os, subprocess, time\n"
+                             "named = subprocess.Popen(['sleep', '60'])\n"
+                             "scrubbed = subprocess.Popen(['sleep', '60'], env={'PATH': os.environ['PATH']})\n"
+                             "print(named.pid, scrubbed.pid, flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, cleanup.ENV_VAR: str(runtime)})
+    named, unnamed = map(int, rank.stdout.readline().split())
+    try:
+        write_pids(str(runtime), [rank.pid])
+        rank.kill()
+        rank.wait()
+        other = cleanup.sweep([str(tmp_path / "elsewhere")])
+        # both, or the unnamed one would be found by nothing once the named one is gone
+        assert {named, unnamed} <= {p.pid for p in other.killed}
+        assert gone([named, unnamed]) == []
+        assert cleanup.sweep([str(tmp_path)]).removed == [str(runtime)]  # this kernel's own clean, later
+    finally:
+        kill_all([named, unnamed])
+
+
 # ------------------------------------------------------------------ real kernels
 def family(k: DistKernel) -> tuple[int, list[int]]:
     """The kernel's reaper pid and rank pids."""
@@ -171,7 +197,14 @@ def started_leftovers(k: DistKernel) -> list[int]:
 
 def kill_reaper_then_parent(k: DistKernel) -> tuple[str, list[int]]:
     """Start the leftovers in every rank, SIGKILL the reaper and then the parent, wait for the
-    ranks to die (PR_SET_PDEATHSIG); return the runtime dir and the leftovers, checked alive."""
+    ranks to die (PR_SET_PDEATHSIG); return the runtime dir and the leftovers.
+
+    The leftovers outlive the kernel: nothing of it is left to end them. Any kernel of this user
+    that starts meanwhile (another test, a second copy of the suite) ends them, though: its
+    start-up sweep ends the leftovers of every kernel that is gone, ours included (see
+    test_another_kernels_sweep_ends_a_dead_ranks_leftovers_named_or_not), which is the promise
+    the callers check, kept by another. So they are not required alive here, and the callers
+    require only that none survives, whoever ended it."""
     leftovers: list[int] = []
     try:
         runtime = k.execute("import os\nprint(os.environ['DIST_KERNEL_RUNTIME_DIR'])").stream().strip()
@@ -183,7 +216,6 @@ def kill_reaper_then_parent(k: DistKernel) -> tuple[str, list[int]]:
         k.km.provisioner.process.wait(timeout=10)  # a frontend collects its dead kernel
         assert gone(ranks) == []
         time.sleep(0.5)
-        assert gone(leftovers, timeout=0) == leftovers  # nothing of the kernel is left to end them
     except BaseException:
         kill_all([k.pid, *leftovers])
         raise
@@ -209,9 +241,11 @@ def test_after_the_reaper_and_the_parent_are_killed_nothing_the_ranks_started_su
         else:
             out = clean(env)
             assert out.returncode == 0, out.stderr
-            assert all(f"ended pid {pid}: sleep" in out.stdout for pid in leftovers), out.stdout
-            assert f"removed {runtime}" in out.stdout
-        assert gone(leftovers) == []
+            # which leftovers clean itself ended depends on whether another kernel's sweep came
+            # first (see kill_reaper_then_parent); the runtime dir is in this test's own TMPDIR,
+            # which only this test's clean sweeps
+            assert f"removed {runtime}" in out.stdout, out.stdout
+        assert gone(leftovers) == [], "leftovers of the killed kernel survived"
         assert not os.path.exists(runtime)
         if nxt is not None:
             assert nxt.execute("print(rank)").stream() == "0\n"

@@ -72,7 +72,7 @@ class TestConfig:
 
     def test_more_nccl_ranks_than_gpus_is_a_clear_error(self):
         with pytest.raises(ConfigError, match="needs 4 GPUs but only 2"):
-            config.resolve(ns(ranks=4), environ={}, available_gpus=[0, 1])
+            config.resolve(ns(ranks=4, backend="nccl"), environ={}, available_gpus=[0, 1])
 
     def test_gloo_ranks_may_share_gpus(self):
         c = config.resolve(ns(ranks=4, backend="gloo"), environ={}, available_gpus=[0])
@@ -215,7 +215,7 @@ class TestSeveralMachines:
         ({"launcher": "slurm", "gpus": "-1"}, "GPU ids on each node"),
         ({"launcher": "slurm", "gpus": "0,0"}, "lists a GPU twice"),
         ({"launcher": "slurm", "backend": "nccl"}, "name the GPU ids on each node with --gpus"),
-        ({"launcher": "slurm", "gpus": "0,1", "ranks_per_node": 3}, "--ranks-per-node 3 with nccl needs 3 GPUs on each node"),
+        ({"launcher": "slurm", "gpus": "0,1", "ranks_per_node": 3, "backend": "nccl"}, "--ranks-per-node 3 with nccl needs 3 GPUs on each node"),
         ({"launcher": "slurm", "listen": "127.0.0.1"}, "classic listener bound to localhost"),
         ({"launcher": "slurm", "listen": "127.0.1.1"}, "loopback"),
         ({"launcher": "ssh", "hosts": "a", "listen": "::1"}, "loopback"),

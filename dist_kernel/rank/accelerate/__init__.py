@@ -6,14 +6,19 @@ in a notebook, and are patched here (see :mod:`dist_kernel.rank.hf`):
   their own (it refuses when an ``Accelerator`` exists already, and would race for its port on
   every rank). Here it runs ``fn(*args)`` once on every rank, in the existing group, and says
   clearly when ``num_processes`` asks for a different number of processes than there are ranks.
+  Each call gives ``fn`` what the launcher's new processes would have: a fresh ``AcceleratorState``
+  with the ``mixed_precision`` asked for (an ``Accelerator`` made in an earlier cell would pin it
+  otherwise, silently). An ``Accelerator`` made outside ``fn`` keeps its own state, and the cells
+  after the call see the state they saw before it.
 - ``accelerator.print`` prints on the main process only; merged, that is a line labelled
   ``[rank 0]``. It is shown unlabelled, as one process shows it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -23,6 +28,10 @@ from dist_kernel.rank.integration import hf, in_group, world_size, wrap_once
 def check_processes(num_processes: int | None, num_nodes: int, world: int) -> None:
     """A ``notebook_launcher`` call that asks for another number of processes than the kernel
     has ranks cannot run as asked: say so, with the fix."""
+    for name, value in (("num_processes", num_processes), ("num_nodes", num_nodes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"notebook_launcher({name}={value!r}): {name} must be an int, not "
+                            f"{type(value).__name__}. Fix: {name}={_as_int_hint(value)}.")
     if num_processes is None:
         return
     asked = num_processes * num_nodes
@@ -34,6 +43,38 @@ def check_processes(num_processes: int | None, num_nodes: int, world: int) -> No
         f"Distributed Python kernel has {world} ranks, and they are the processes: the function runs once "
         f"on each of them, in their process group. Fix: pass num_processes={max(world // max(num_nodes, 1), 1)} "
         f"(or leave it out), or restart the kernel with --ranks {asked}.")
+
+
+def _as_int_hint(value: Any) -> str:
+    """What to write instead of ``value``: the int it spells, where it spells one."""
+    try:
+        return str(int(value))
+    except (TypeError, ValueError):
+        return "an int"
+
+
+@contextlib.contextmanager
+def fresh_states(*classes: type) -> Iterator[None]:
+    """Give each of accelerate's shared-state (Borg) ``classes`` an empty state for the block,
+    as a new process has, and put the old one back after it. Instances made before keep theirs:
+    they hold the old dict itself, which is neither cleared nor changed here."""
+    saved: list[tuple[type, Any, dict | None]] = []  # class, its attribute, a descriptor's storage
+    for cls in classes:
+        raw = cls.__dict__["_shared_state"]
+        if isinstance(raw, dict):
+            setattr(cls, "_shared_state", type(raw)())  # noqa: B010 - the class attribute, swapped
+            saved.append((cls, raw, None))
+        else:  # accelerate's thread-local descriptor (torch_xla): swap what it stores
+            saved.append((cls, raw, raw._storage))
+            raw._storage = {}
+    try:
+        yield
+    finally:
+        for cls, raw, storage in reversed(saved):
+            if storage is None:
+                setattr(cls, "_shared_state", raw)  # noqa: B010
+            else:
+                raw._storage = storage
 
 
 def _on_ranks(original: Callable) -> Callable:
@@ -56,9 +97,13 @@ def _on_ranks(original: Callable) -> Callable:
         kind = "GPU" if device().startswith("cuda") else "CPU"
         print(f"Launching training on {world_size()} {kind}s: the kernel's ranks, in their process group "
               "(no new processes).")
-        # what accelerate's launcher hands its workers: the mixed precision asked for, unless "no"
-        env = {"ACCELERATE_MIXED_PRECISION": precision} if precision != "no" else {}
-        with patch_environment(**env):
+        from accelerate.state import AcceleratorState, GradientState
+
+        # what the launcher's new processes would start from: no AcceleratorState yet, and the
+        # mixed precision asked for ("no" too) where Accelerator() reads it. Without the fresh
+        # state, an Accelerator made in an earlier cell (or an earlier launch) would decide it.
+        with fresh_states(AcceleratorState, GradientState), \
+                patch_environment(ACCELERATE_MIXED_PRECISION=precision):
             given["function"](*given["args"])
         return None
 
