@@ -1,0 +1,263 @@
+"""Rendering: what the frontend is sent for an item the alignment publishes, given the ranks
+that gave it (all of them: once, unlabelled; some: labelled), and the state that spans items:
+the unfinished stream line and its label, per-group areas, and display ids."""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from dist_kernel.parent.merge.labels import (
+    combined,
+    label,
+    label_lines,
+    labelled_error,
+    labelled_rich,
+    prefix_lines,
+    unmarked,
+)
+from dist_kernel.parent.merge.units import Item, render_cr
+from dist_kernel.protocol import META_RANKS, with_meta
+
+Emit = tuple[str, dict]  # (msg_type, content)
+
+RICH_TYPES = ("display_data", "execute_result", "update_display_data")
+#: the mime type of a widget's view (ipywidgets)
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+_CR_LABEL = re.compile(r"\r(?!\n|$)")
+_NL_LABEL = re.compile(r"\n(?!$)")
+
+
+class DisplayRegistry:
+    """For each display id the ranks used: the newest content each rank gave it.
+
+    It outlives a cell when the kernel keeps one (an update in a later cell then still knows
+    what the other ranks show); bounded to the ``limit`` most recently used ids.
+    """
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self._states: OrderedDict[str, dict[int, dict]] = OrderedDict()
+
+    def set(self, display_id: str, ranks: Iterable[int], content: dict) -> dict[int, dict]:
+        states = self._states.setdefault(display_id, {})
+        self._states.move_to_end(display_id)
+        for r in ranks:
+            states[r] = content
+        while len(self._states) > self.limit:
+            self._states.popitem(last=False)
+        return states
+
+
+@dataclass
+class _Area:
+    """An updatable display holding one rank group's text or latest rich output."""
+
+    display_id: str
+    ranks: tuple[int, ...]
+    kind: str  # "text" or "rich"
+    text: str = ""
+    shown: bool = False
+
+
+@dataclass
+class _OpenLine:
+    """A stream line left without its newline, and whose label it carries."""
+
+    label: str | None
+    after_cr: bool = False
+
+
+class Renderer:
+    """Turns published items into the messages of one cell, in order (see :meth:`emit`)."""
+
+    def __init__(self, ranks: Sequence[int], displays: DisplayRegistry) -> None:
+        self.ranks = tuple(ranks)
+        self.displays = displays
+        self.area_ranks: set[int] = set()  # ranks that cleared alone: their output goes to areas
+        self._out: list[Emit] = []
+        self._open: dict[str, _OpenLine] = {}
+        self._areas: dict[tuple[str | None, str], _Area] = {}
+        self._pending_clear: set[int] = set()  # ranks whose areas empty at their next output
+        self._area_serial = 0
+        self._joinable: dict[str, set[int]] = {}  # display id -> ranks in its newest output of this cell
+
+    @property
+    def ready(self) -> bool:
+        """Is there output to publish?"""
+        return bool(self._out)
+
+    def take(self) -> list[Emit]:
+        """Messages to publish now, consecutive stream text of one name coalesced."""
+        out: list[Emit] = []
+        texts: list[str] = []  # pieces of the stream message being built (joined once: no O(n^2))
+        for msg_type, content in self._out:
+            if (msg_type == "stream" and out and out[-1][0] == "stream"
+                    and out[-1][1]["name"] == content["name"]):
+                texts.append(content["text"])
+                continue
+            if texts:
+                out[-1][1]["text"] = "".join(texts)
+            texts = [content["text"]] if msg_type == "stream" else []
+            out.append((msg_type, dict(content) if msg_type == "stream" else content))
+        if texts:
+            out[-1][1]["text"] = "".join(texts)
+        self._out = []
+        return out
+
+    def late(self, rank: int, msg_type: str, content: dict, labelled: bool) -> None:
+        """Output of ``rank`` after its cell ended, labelled with the rank when ``labelled``,
+        display ids resolved as in the cell."""
+        content = unmarked(msg_type, content)
+        if msg_type == "stream":
+            text = content.get("text", "")
+            name = content.get("name", "stdout")
+            self._out.append(("stream", {"name": name, "text": label_lines(text, [rank]) if labelled else text}))
+        elif msg_type in RICH_TYPES and (content.get("transient") or {}).get("display_id") is not None:
+            content = dict(content)
+            display_id = content.pop("transient")["display_id"]
+            self._emit_display(Item(msg_type, None, content, 0.0, display_id=display_id), [rank])
+        elif msg_type in RICH_TYPES and labelled:
+            self._out.append((msg_type, labelled_rich(content, [rank])))
+        elif msg_type == "error" and labelled:
+            self._out.append((msg_type, labelled_error(content, [rank])))
+        else:
+            self._out.append((msg_type, content))
+
+    def emit(self, item: Item, ranks: list[int] | None) -> None:
+        """Publish ``item``, which ``ranks`` gave (None: every rank of the cell)."""
+        if ranks is not None and len(ranks) == len(self.ranks):
+            ranks = None
+        if item.in_order:
+            self._out.append((item.kind, item.content))
+            return
+        multi = len(self.ranks) > 1
+        if item.kind == "clear_output":
+            if not multi or (ranks is None and not self.area_ranks):
+                # every rank cleared at the same point of its output: one clear, as one process
+                self._open.clear()
+                self._out.append(("clear_output", item.content))
+                return
+            # one rank clearing alone would wipe the other ranks' output: from now on this
+            # group's output is shown in its own areas, which its clears empty
+            group = self._group(ranks)
+            self.area_ranks.update(group)
+            self._pending_clear.update(group)
+            if not item.content.get("wait"):
+                self._clear_areas(group)
+            return
+        lab = None if ranks is None else label(ranks)
+        # the group is built only where areas are in use: an item of every rank is O(1) otherwise
+        in_area = multi and bool(self.area_ranks) and all(r in self.area_ranks for r in self._group(ranks))
+        if item.kind == "stream":
+            text = item.content["text"]
+            area = self._areas.get((lab, "text"))
+            progress = lab is not None and (item.cr or "\r" in text.rstrip("\n") or (
+                area is not None and area.text and not area.text.endswith("\n")))
+            if in_area or progress:
+                self._to_area(lab, self._group(ranks), "text", text)
+            else:
+                self._emit_stream(item.content["name"], text, lab)
+            return
+        self._open.clear()  # a rich output starts a new output area
+        content = item.content
+        if item.kind == "error":
+            self._out.append(("error", content if ranks is None else labelled_error(content, ranks)))
+            return
+        if item.display_id is not None:
+            self._emit_display(item, self._group(ranks))
+            return
+        if in_area and item.kind in ("display_data", "execute_result"):
+            self._to_area(lab, self._group(ranks), "rich", content)
+            return
+        if ranks is not None and item.kind in RICH_TYPES:
+            if WIDGET_VIEW in (content.get("data") or {}):
+                # a frontend draws the widget alone, never the text beside it: the label goes first
+                self._out.append(("display_data", labelled_rich({"data": {"text/plain": ""}, "metadata": {}}, ranks)))
+            content = labelled_rich(content, ranks)
+        self._out.append((item.kind, content))
+
+    def _group(self, ranks: list[int] | None) -> list[int]:
+        return list(self.ranks) if ranks is None else ranks
+
+    def _emit_display(self, item: Item, group: list[int]) -> None:
+        """Publish a display with an id, or its update: one display shows what every rank gave it."""
+        display_id = item.display_id
+        assert display_id is not None
+        states = self.displays.set(display_id, group, item.content)
+        content = {**item.content, **combined(states, self.ranks), "transient": {"display_id": display_id}}
+        if item.kind == "update_display_data":
+            self._out.append(("update_display_data", content))
+            return
+        joined = self._joinable.get(display_id)
+        if joined is not None and not joined & set(group):
+            # the same display from ranks that had not shown it yet (their twins came late, or
+            # differed): they join the display already there, which now shows them too
+            joined.update(group)
+            self._out.append(("update_display_data", content))
+            return
+        self._joinable[display_id] = set(group)
+        self._out.append((item.kind, content))
+
+    def _clear_areas(self, ranks: list[int]) -> None:
+        """Empty every area holding output of these ranks (a clear_output of theirs took effect)."""
+        self._pending_clear.difference_update(ranks)
+        for area in self._areas.values():
+            if area.shown and set(area.ranks) & set(ranks) and (area.text or area.kind == "rich"):
+                area.text = ""
+                self._show_area(area, {"data": {"text/plain": ""}, "metadata": {}})
+
+    def _to_area(self, lab: str | None, group: list[int], kind: str, payload: str | dict) -> None:
+        """Show ``payload`` in the area of ``group`` (text is added to its text, rich output replaces it)."""
+        due = [r for r in group if r in self._pending_clear]
+        if due:
+            self._clear_areas(due)
+        area = self._areas.get((lab, kind))
+        if area is None:
+            self._area_serial += 1
+            area = _Area(f"dist-kernel-area-{id(self):x}-{self._area_serial}", tuple(group), kind)
+            self._areas[(lab, kind)] = area
+        content: dict
+        if isinstance(payload, str):
+            area.text += payload
+            content = {"data": {"text/plain": prefix_lines(render_cr(area.text), lab)}, "metadata": {}}
+        else:
+            content = payload if lab is None else labelled_rich(payload, group)
+        if lab is not None:
+            content = dict(content, metadata=with_meta(content.get("metadata"), {META_RANKS: group}))
+        self._show_area(area, content)
+
+    def _show_area(self, area: _Area, content: dict) -> None:
+        content = {"data": content.get("data", {}), "metadata": content.get("metadata", {}),
+                   "transient": {"display_id": area.display_id}}
+        if not area.shown:
+            area.shown = True
+            self._open.clear()
+            self._out.append(("display_data", content))
+            return
+        last = self._out[-1] if self._out else None
+        if last and last[0] == "update_display_data" and last[1]["transient"]["display_id"] == area.display_id:
+            self._out[-1] = ("update_display_data", content)  # only the newest state matters
+        else:
+            self._out.append(("update_display_data", content))
+
+    def _emit_stream(self, name: str, text: str, prefix: str | None) -> None:
+        state = self._open.get(name)
+        head = ""
+        if state is not None and state.label != prefix:
+            head = "\n"  # close the other ranks' unfinished line first
+            state = None
+        if prefix:
+            if state is None or state.after_cr:
+                head += prefix
+            # a '\r' returns to the line start: re-label after it so progress text keeps its rank
+            text = _CR_LABEL.sub("\r" + prefix, text)
+            text = _NL_LABEL.sub("\n" + prefix, text)
+        text = head + text
+        if text.endswith("\n"):
+            self._open.pop(name, None)
+        else:
+            self._open[name] = _OpenLine(prefix, after_cr=text.endswith("\r"))
+        self._out.append(("stream", {"name": name, "text": text}))
