@@ -22,7 +22,7 @@ ROOT = Path(os.path.abspath(__file__)).parent.parent
 class _PlainSpecManager(KernelSpecManager):
     """A stock ipykernel bound to this interpreter (the baseline every section compares to)."""
 
-    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:  # noqa: ARG002
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
                           display_name="plain ipykernel", language="python", interrupt_mode="signal")
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jupyter_client import KernelManager  # noqa: E402
+from jupyter_client import KernelManager
 
-from dist_kernel.runner import spec_manager  # noqa: E402
+from dist_kernel.runner import spec_manager
 
 SETUP = """\
 from fastai.tabular.all import *

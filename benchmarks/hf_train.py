@@ -77,7 +77,7 @@ def train_trainer(steps: int = 40, warmup: int = 5, batch: int = 16, seed: int =
         def __init__(self) -> None:
             self.ends: list[float] = []
 
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201 - Trainer's signature
+        def on_step_end(self, args, state, control, **kwargs):  # Trainer's signature
             self.ends.append(time.perf_counter())
 
     class Tokens(torch.utils.data.Dataset):

@@ -34,7 +34,7 @@ RUNS = 3
 TARGET = 1.05
 
 
-def _mlp(width: int, depth: int, seed: int):  # noqa: ANN202 - torch is imported lazily
+def _mlp(width: int, depth: int, seed: int):  # torch is imported lazily
     import torch
     from torch import nn
 
@@ -62,7 +62,7 @@ def _summary(times: list[float], loss: float) -> dict:
             "world_size": dist.get_world_size(), "threads": torch.get_num_threads(), "loss": loss}
 
 
-def _timed_steps(step, steps: int, warmup: int) -> tuple[list[float], float]:  # noqa: ANN001 - a callable
+def _timed_steps(step, steps: int, warmup: int) -> tuple[list[float], float]:  # a callable
     """Call ``step()`` ``warmup + steps`` times after a barrier; the last ``steps`` durations and loss."""
     import torch.distributed as dist
 

@@ -31,8 +31,11 @@ _CGROUP = "/sys/fs/cgroup"
 class RankCount(Protocol):
     """What the check reads of a :class:`~dist_kernel.options.KernelConfig` (which imports this module)."""
 
-    world_size: int
-    oversubscribe: bool
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def oversubscribe(self) -> bool: ...
 
     @property
     def remote(self) -> bool: ...

@@ -101,7 +101,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return run_notebook(ns.notebook, cfgmod.option_argv(ns), output=ns.output, cell_timeout=ns.cell_timeout)
 
 
-def cmd_clean(ns: argparse.Namespace) -> int:  # noqa: ARG001
+def cmd_clean(ns: argparse.Namespace) -> int:
     from dist_kernel.cleanup import sweep
 
     report = sweep()

@@ -92,7 +92,7 @@ def choice(*values: str) -> Parser:
     return parse
 
 
-def verbatim(flag: str, text: str) -> str:  # noqa: ARG001 - the Parser signature
+def verbatim(flag: str, text: str) -> str:  # flag unused: the Parser signature
     """The text as given: checked in :func:`resolve`, where the other options are known."""
     return text
 
@@ -188,7 +188,7 @@ OPTIONS: tuple[Option, ...] = (
 OPTION: dict[str, Option] = {o.name: o for o in OPTIONS}
 
 
-def _default(name: str):  # noqa: ANN202 - each KernelConfig field has its own type
+def _default(name: str):  # no return type: each KernelConfig field has its own
     return OPTION[name].default_value()
 
 
@@ -320,10 +320,19 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
     """
     env = os.environ if environ is None else environ
     raw = given(ns, env)
-    value = {o.name: None if raw[o.name] is None else _parse(o, raw[o.name], ns) for o in OPTIONS}
+    value: dict[str, object] = {}
+    for o in OPTIONS:
+        text = raw[o.name]
+        value[o.name] = None if text is None else _parse(o, text, ns)
 
-    def get(name: str):  # noqa: ANN202 - the option's own type
+    def get(name: str):  # no return type: the option's own
         return OPTION[name].default_value() if value[name] is None else value[name]
+
+    def given_int(name: str) -> int | None:
+        """A whole-number option's parsed value; None when it was not given."""
+        v = value[name]
+        assert v is None or isinstance(v, int), (name, v)
+        return v
 
     warnings: list[str] = []
 
@@ -343,6 +352,7 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
         gpus = _local_gpus(raw["gpus"], visible_gpus(dict(env)) if available_gpus is None else available_gpus)
 
     chosen = value["backend"]  # None: the kernel picks, once the ranks per GPU are known
+    assert chosen is None or isinstance(chosen, str)
     backend = chosen or ("nccl" if gpus else "gloo")
     if backend == "nccl" and not gpus:
         if remote:
@@ -351,7 +361,7 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
                 f"with --gpus (e.g. --gpus 0,1,2,3), or use --backend gloo. {FIX_HINT}")
         raise ConfigError(f"--backend nccl needs GPUs, and none is visible; use --backend gloo. {FIX_HINT}")
 
-    given_ranks, given_per_node, given_nodes = value["ranks"], value["ranks_per_node"], value["nodes"]
+    given_ranks, given_per_node, given_nodes = given_int("ranks"), given_int("ranks_per_node"), given_int("nodes")
     if not remote:
         if given_nodes is not None and given_nodes != 1:
             raise ConfigError(
@@ -409,7 +419,7 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
 
     config = KernelConfig(world_size=world, backend=backend, gpus=tuple(gpus), timeout=get("timeout"),
                           startup_timeout=get("startup_timeout"), merge_window=get("merge_window_ms"),
-                          fastai=get("fastai"), lightning=get("lightning"), hf=get("hf"), seed=value["seed"],
+                          fastai=get("fastai"), lightning=get("lightning"), hf=get("hf"), seed=given_int("seed"),
                           hang_grace=get("hang_grace"),
                           empty_cache=get("empty_cache"), rich_output=get("rich_output"), launcher=launcher,
                           nodes=nodes, ranks_per_node=per_node, hosts=hosts, slurm_args=slurm_args,

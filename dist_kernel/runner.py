@@ -46,7 +46,7 @@ class _SpecManager(KernelSpecManager):
 
     options: list[str] = []
 
-    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:  # noqa: ARG002
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         return KernelSpec(**kernel_json(self.options))
 
 
@@ -137,12 +137,12 @@ class _LiveClient(NotebookClient):
         _write(sys.stderr, ("" if self._ends_with_newline else "\n") + f"── {text} ──\n")
         self._ends_with_newline = True
 
-    def _cell_starts(self, cell: nbformat.NotebookNode, cell_index: int) -> None:  # noqa: ARG002
+    def _cell_starts(self, cell: nbformat.NotebookNode, cell_index: int) -> None:
         self._arm_signals()
         self.current, self._t0 = cell_index, time.monotonic()
         self._rule(self._place(cell_index))
 
-    def _cell_ends(self, cell: nbformat.NotebookNode, cell_index: int,  # noqa: ARG002
+    def _cell_ends(self, cell: nbformat.NotebookNode, cell_index: int,
                    execute_reply: dict) -> None:
         failed = execute_reply.get("content", {}).get("status") == "error"
         self._rule(f"{self._place(cell_index)} {'failed after' if failed else 'done in'} "

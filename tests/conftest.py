@@ -21,8 +21,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent / "cluster"))  # cluster_lab, one module for every lane
 
-from cluster_lab import hold_lab, release_lab  # noqa: E402
-from harness import GROUP_SETUP, DistKernel, kernel_for_module  # noqa: E402
+from cluster_lab import hold_lab, release_lab
+from harness import GROUP_SETUP, DistKernel, kernel_for_module
 
 TESTS = Path(__file__).parent
 #: the lanes whose tests start real kernels or processes

@@ -44,12 +44,12 @@ _BATCH = 200
 
 def zmq_fd(sock: zmq.Socket) -> int:
     """The socket's ZMQ file descriptor, for the event loop (an int on every platform we run on)."""
-    return int(sock.getsockopt(zmq.FD))  # type: ignore[arg-type]  # typed int | bytes for other options
+    return int(sock.getsockopt(zmq.FD))
 
 
 def pending(sock: zmq.Socket) -> bool:
     """Whether a message waits on ``sock`` (its EVENTS say POLLIN; the fd signals only edges)."""
-    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)  # type: ignore[arg-type]  # an int option
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 #: signatures remembered to refuse a replayed message (jupyter_client keeps as many)
 _DIGESTS = 2**16
 #: jupyter message protocol version of the requests sent to the ranks
@@ -368,7 +368,7 @@ class RankChannel:
             return
         try:
             self._handlers[channel](msg)
-        except Exception:  # noqa: BLE001
+        except Exception:
             self.log.exception("rank %d: error handling %s %s", self.rank, channel, msg.get("msg_type"))
 
     def _verify(self, frames: list[bytes]) -> int:

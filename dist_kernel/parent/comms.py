@@ -25,6 +25,7 @@ is translated to the frontend's (JupyterLab hooks messages by the ids of its own
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -118,7 +119,7 @@ class CommRouter:
                         self._closing.popitem(last=False)
         data = content.get("data")
         state = data.get("state") if isinstance(data, dict) else None
-        if isinstance(state, dict) and state.get("msg_id") in self._frontend_id:
+        if isinstance(data, dict) and isinstance(state, dict) and state.get("msg_id") in self._frontend_id:
             state = dict(state, msg_id=self._frontend_id[state["msg_id"]])
             content = dict(content, data=dict(data, state=state))
         return content
@@ -183,12 +184,12 @@ class CommRouter:
         if len(sent) == 1 or self.merged is None:
             labelled = ranks.config.world_size > 1
             for rank, msg_id in sent:
-                ranks.listen(rank, msg_id, lambda msg, rank=rank: self.callback_output(rank, parent, msg, labelled))
+                ranks.listen(rank, msg_id, functools.partial(self.callback_output, rank, parent, labelled=labelled))
         elif sent:
             # a shared widget's callback runs on every owner: its output is merged as a cell's
             run = self.merged([rank for rank, _ in sent], parent)
             for rank, msg_id in sent:
-                ranks.listen(rank, msg_id, lambda msg, rank=rank: run.on_iopub(rank, msg))
+                ranks.listen(rank, msg_id, functools.partial(run.on_iopub, rank))
                 run.on_reply(rank, {"status": "ok"})  # a comm message has no reply: its idle ends it
             await run.wait()
 

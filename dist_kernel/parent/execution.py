@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -137,9 +138,9 @@ class CellRun:
                 self.on_rank_lost(rank, RankDiedError, str(e))
                 continue
             sent.append(msg_id)
-            self.via.listen(rank, msg_id, lambda msg, rank=rank: self.on_iopub(rank, msg))
+            self.via.listen(rank, msg_id, functools.partial(self.on_iopub, rank))
             assert fut is not None
-            fut.add_done_callback(lambda f, rank=rank: self._replied(rank, f))
+            fut.add_done_callback(functools.partial(self._replied, rank))
             if self.via.stopped(rank):
                 self.notice_stopped(rank)
         return sent

@@ -172,7 +172,7 @@ class DistributedKernel(Kernel):
                 result = handler(sock, ident, parent)
                 if asyncio.iscoroutine(result):
                     await result
-            except Exception as e:  # noqa: BLE001 - answered, logged, and the kernel goes on
+            except Exception as e:  # answered, logged, and the kernel goes on
                 self.log.exception("handler for %s failed", msg_type)
                 if msg_type.endswith("_request"):
                     reply = {"status": "error", "ename": type(e).__name__, "evalue": str(e), "traceback": []}
@@ -497,7 +497,7 @@ class DistributedKernel(Kernel):
         if self.ranks is not None:
             try:
                 await asyncio.wait_for(self._on_main(self.ranks.shutdown()), 10)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 self.log.exception("clean rank shutdown failed; killing ranks")
             self.ranks.cleanup_sync()
         return {"status": "ok", "restart": restart}

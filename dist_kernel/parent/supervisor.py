@@ -102,8 +102,8 @@ class RankSupervisor:
         # where the ranks run (--launcher): this machine, or nodes started through Slurm or SSH
         self.launcher = make_gang_launcher(config, self.runtime_dir, list(extra_argv or []), self.log,
                                            on_note or (lambda text: None))
-        self.launcher.on_fault = self._on_fault  # type: ignore[method-assign]
-        self.launcher.on_change = self._changed  # type: ignore[method-assign]
+        self.launcher.on_fault = self._on_fault
+        self.launcher.on_change = self._changed
         self.ranks: dict[int, Rank] = {}
         self.generation = 0
         # one seed for all ranks of this start (a fresh one per restart, unless --seed)

@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from typing import TextIO
 
 Publish = Callable[[str, dict], None]
 
@@ -130,7 +131,7 @@ class StreamThrottle:
         self.spill_path: str | None = None
         self.spilling = False
         self.closed = False
-        self._file = None
+        self._file: TextIO | None = None
         self.skipped_bytes = self.skipped_lines = self.skipped_outputs = 0
         self._mid_line: dict[str, bool] = {}  # stream -> the text diverted last ended inside a line
         self._tails: dict[str, _Tail] = {}
@@ -198,7 +199,7 @@ class StreamThrottle:
         try:
             if self.spill_path is None:
                 self.spill_path = self.budget.new_spill_file()
-            self._file = open(self.spill_path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
+            self._file = open(self.spill_path, "a", encoding="utf-8", errors="replace")
         except OSError as e:
             self._file = None
             where = f"could not be saved ({e})"
@@ -245,7 +246,7 @@ class StreamThrottle:
             return
         if self._file is None:
             try:
-                self._file = open(self.spill_path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
+                self._file = open(self.spill_path, "a", encoding="utf-8", errors="replace")
             except OSError:
                 return
         self._file.write(text)

@@ -19,7 +19,7 @@ import socket
 import sys
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 from dist_kernel.protocol import META_RANKS, META_SOLO, Done, Place, RankStatus, meta_of, with_meta
@@ -134,7 +134,9 @@ def group_destroyed() -> bool:
 
 def where() -> Place:
     """Where the main thread is: its cell frames, and the torch.distributed call it is in."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    main = threading.main_thread().ident
+    assert main is not None  # the main thread has run since the interpreter started
+    frame = sys._current_frames().get(main)
     busy = bool(_state.get("busy"))
     if frame is None:
         return Place(collective=None, group_ranks=[], peer=None, seq=None, stack=[], line="", busy=busy,
@@ -233,12 +235,14 @@ def _group_info(group: object) -> tuple[list[int], int | None]:
         import torch.distributed as dist
 
         pg = group if group is not None else dist.GroupMember.WORLD
+        assert pg is None or isinstance(pg, dist.ProcessGroup)  # _group_in found it by this type
         ranks = list(dist.get_process_group_ranks(pg))
     except Exception:  # noqa: BLE001 - a torn-down group: no ranks to name
         return [], None
     seq = None
-    with contextlib.suppress(Exception):
-        seq = int(pg._get_sequence_number_for_group())  # type: ignore[union-attr]
+    if pg is not None:
+        with contextlib.suppress(Exception):
+            seq = int(pg._get_sequence_number_for_group())  # type: ignore[attr-defined]  # private torch API, not in its stubs
     return ranks, seq
 
 
@@ -300,10 +304,12 @@ def solo_output(streams: bool = False) -> Iterator[None]:
     pub = getattr(get_ipython(), "display_pub", None)
     original = getattr(pub, "publish", None)
     if original is not None and not getattr(original, "__dist_kernel_solo__", False):  # nested: marked already
+        assert pub is not None  # it has the publish found above
+        wrapped: Callable[..., None] = original
 
         def publish(data: dict, metadata: dict | None = None, *args: object, **kwargs: object) -> None:
             metadata = with_meta(metadata, {META_SOLO: True})
-            original(data, metadata, *args, **kwargs)
+            wrapped(data, metadata, *args, **kwargs)
 
         publish.__dist_kernel_solo__ = True  # type: ignore[attr-defined]
         pub.publish = publish
@@ -317,7 +323,7 @@ def solo_output(streams: bool = False) -> Iterator[None]:
     try:
         yield
     finally:
-        if original is not None:
+        if original is not None and pub is not None:  # pub is set wherever original is
             pub.publish = original
         for stream in marked:
             stream.solo = False

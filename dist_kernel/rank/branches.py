@@ -142,7 +142,7 @@ def _in_branch(frame: FrameType, found: Branches) -> bool:
     if positions is None or None in positions:
         return True
     lineno, end_lineno, col, end_col = positions
-    return found.holds(lineno, col, end_lineno, end_col)  # type: ignore[arg-type]
+    return found.holds(lineno, col, end_lineno, end_col)
 
 
 def in_rank_branch(frame: FrameType | None) -> bool:

@@ -52,7 +52,7 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
-            spec = finder.find_spec(fullname, path, target)  # type: ignore[attr-defined]  # hasattr above
+            spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
                     spec.loader = _PatchingLoader(spec.loader, patch)

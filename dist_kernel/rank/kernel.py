@@ -34,6 +34,7 @@ from typing import Any
 from ipykernel.compiler import XCachingCompiler, get_tmp_hash_seed, murmur2_x86
 from ipykernel.iostream import BackgroundSocket, IOPubThread, OutStream
 from ipykernel.ipkernel import IPythonKernel
+from jupyter_client.session import Session
 
 from dist_kernel import protocol
 from dist_kernel.iopub import UnboundedIOPubApp
@@ -71,25 +72,34 @@ class RankKernel(IPythonKernel):
         if self.shell_channel_thread is None:  # no subshells (RankKernelApp.init_control)
             self.shell_channel_thread = _NoShellChannel()
         self._main_loop: asyncio.AbstractEventLoop | None = None
-        self.shell.events.register("pre_run_cell", agent.before_cell)
-        self.shell.events.register("post_run_cell", agent.after_cell)
-        self.shell.showtraceback = self._showing(self.shell.showtraceback)
+        shell = self.shell
+        assert shell is not None  # IPythonKernel.__init__ made it
+        shell.events.register("pre_run_cell", agent.before_cell)
+        shell.events.register("post_run_cell", agent.after_cell)
+        shell.showtraceback = self._showing(shell.showtraceback)
         # IOPub messages published for the running cell, counted up to its reply (see finish_metadata)
         self._counting: str | None = None
         self._published = 0
         self._told: str | None = None  # the cell whose reply carries its count: no idle for it
         self._count_lock = threading.Lock()
-        self.session.send = self._counted(self.session.send)
+        session = self._session
+        session.send = self._counted(session.send)  # type: ignore[method-assign]  # this instance's send, wrapped to count
         # identical widgets (displays made with display_id=True) on every rank get one comm id (display id),
         # so the frontend shows one widget (display)
         widgets.install(lambda: self.get_parent("shell"))
-        display_ids.install(lambda: self.get_parent("shell"), getattr(type(self.shell).run_code, "__code__", None))
+        display_ids.install(lambda: self.get_parent("shell"), getattr(type(shell).run_code, "__code__", None))
         # output made under `if rank == 0:` is marked as the rank's own: the parent does not hold
         # it for the other ranks (see dist_kernel.rank.branches)
-        branches.configure(cell_dir() + os.sep, getattr(type(self.shell).run_code, "__code__", None))
-        pub = getattr(self.shell, "display_pub", None)
+        branches.configure(cell_dir() + os.sep, getattr(type(shell).run_code, "__code__", None))
+        pub = getattr(shell, "display_pub", None)
         if pub is not None:
             pub.publish = _marking_branches(pub.publish)
+
+    @property
+    def _session(self) -> Session:
+        """The kernel's session (ipykernel types it optional: the app sets it before start)."""
+        assert self.session is not None
+        return self.session
 
     @property
     def _supports_kernel_subshells(self) -> bool:
@@ -222,7 +232,7 @@ class RankKernel(IPythonKernel):
         self._dist_reply(stream, ident, parent, op, result)
 
     def _dist_reply(self, stream: Any, ident: Any, parent: dict, op: str, result: Any) -> None:
-        self.session.send(stream, protocol.REPLY, protocol.reply_content(op, result), parent, ident=ident)
+        self._session.send(stream, protocol.REPLY, protocol.reply_content(op, result), parent, ident=ident)
 
     def _on_main(self, fn: Callable[[Any], Any], arg: Any) -> asyncio.Future:
         """Run ``fn(arg)`` on the main thread's loop; a future for its result on this loop."""

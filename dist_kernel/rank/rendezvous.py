@@ -79,7 +79,7 @@ _tcp_store: list = []
 REACH_TIMEOUT = 20.0
 
 
-def _store(req: Join):  # noqa: ANN202 - a torch.distributed Store
+def _store(req: Join):  # no return type: a torch.distributed Store (torch imported lazily)
     import torch.distributed as dist
 
     if not req.store.startswith("tcp://"):
@@ -103,7 +103,7 @@ def store_port() -> int | None:
 _port_set: list[str] = []
 
 
-def _master_port(req: Join, meeting) -> None:  # noqa: ANN001 - a torch.distributed Store
+def _master_port(req: Join, meeting) -> None:  # meeting: a torch.distributed Store
     """Give the ranks a MASTER_PORT, so that ``dist.init_process_group("gloo")`` by hand (env://,
     as under torchrun) works after a cell destroyed the group. On one machine the ranks meet in a
     file and no port was given: rank 0 picks a free loopback port and the others read it from the

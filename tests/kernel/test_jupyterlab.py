@@ -343,7 +343,7 @@ def _drive_browser(server: Lab, url: str, artifacts: Path, sync_playwright) -> N
             try:
                 page.screenshot(path=str(shots / "failure.png"))
                 (shots / "failure.html").write_text(page.content())
-            except Exception:  # best effort; keep the original error
+            except Exception:  # noqa: BLE001 - best effort; keep the original error
                 pass
             (shots / "browser-console.log").write_text("\n".join(console))
             shutil.copyfile(server.log_path, shots / "jupyterlab.log")

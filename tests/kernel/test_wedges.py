@@ -48,7 +48,7 @@ class Kernel(DistKernel):
     """A DistKernel whose start can fail without leaking processes, and that records every
     IOPub message in arrival order (any parent), so tests can check exact sequences."""
 
-    def __init__(self, *options: str, extra_arguments: list[str] | None = None) -> None:  # noqa: D107
+    def __init__(self, *options: str, extra_arguments: list[str] | None = None) -> None:
         self.km = KernelManager(kernel_name="distributed-python", kernel_spec_manager=spec_manager(list(options)))
         self.km.shutdown_wait_time = 5
         self.seen: list[psutil.Process] = []

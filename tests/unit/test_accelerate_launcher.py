@@ -11,7 +11,7 @@ from dist_kernel.rank.accelerate import check_processes, fresh_states
 class Borg:
     """accelerate's shared-state pattern (AcceleratorState, GradientState), without accelerate."""
 
-    _shared_state: dict = {}  # noqa: RUF012 - shared on purpose, as accelerate's
+    _shared_state: dict = {}  # shared on purpose, as accelerate's
 
     def __init__(self, **values: object) -> None:
         self.__dict__ = self._shared_state

@@ -66,11 +66,11 @@ class GangLauncher(abc.ABC):
 
     #: told of a fault that takes the whole gang (a node lost, the node starter gone): the
     #: supervisor hears for a moment, names the cause and stops every rank
-    on_fault: Callable[[RemoteCause], None] = staticmethod(lambda cause: None)  # type: ignore[assignment]
+    on_fault: Callable[[RemoteCause], None] = staticmethod(lambda cause: None)
 
     #: told when one rank's process may have changed (exited, stopped, continued): the supervisor
     #: looks at that rank alone, so an idle parent costs nothing per rank (issue 26)
-    on_change: Callable[[RankHandle], None] = staticmethod(lambda handle: None)  # type: ignore[assignment]
+    on_change: Callable[[RankHandle], None] = staticmethod(lambda handle: None)
 
     #: whether :attr:`on_change` hears every change; if not, the supervisor polls every rank
     watches = False

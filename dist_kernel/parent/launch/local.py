@@ -101,7 +101,7 @@ class _RankSpecManager(KernelSpecManager):
 
     extra_argv: list[str] = []
 
-    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:  # noqa: ARG002
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         return KernelSpec(
             argv=[sys.executable, "-m", "dist_kernel.rank", "-f", "{connection_file}", *self.extra_argv],
             display_name="dist_kernel rank", language="python", interrupt_mode="signal",

@@ -52,7 +52,7 @@ class _Admit:
     def __init__(self, public: str) -> None:
         self.public = public.encode()
 
-    def callback(self, domain: str, key: bytes) -> bool:  # noqa: ARG002 - key: z85, from pyzmq's ZAP
+    def callback(self, domain: str, key: bytes) -> bool:  # domain unused; key: z85, from pyzmq's ZAP
         return hmac.compare_digest(key, self.public)
 
 
@@ -200,7 +200,7 @@ class AgentListener:
                 frames = self.router.recv_multipart(zmq.NOBLOCK)
                 try:
                     self._from_node(frames)
-                except Exception:  # noqa: BLE001 - one bad frame never stops the reading
+                except Exception:  # one bad frame never stops the reading
                     self.log.exception("listener: dropped a frame")
         except zmq.ZMQError:
             return
@@ -451,7 +451,7 @@ class RemoteLauncher(GangLauncher):
             for rank_text, pid in event["ranks"].items():
                 rank = int(rank_text)
                 self.processes[rank] = RemoteRank(rank, self.listener.nodes[n], self.listener,
-                                                  self.keys["rank_keys"][rank_text], int(pid))  # type: ignore[index]
+                                                  self.keys["rank_keys"][rank_text], int(pid))
         return self.processes
 
     def store(self, generation: int) -> str:
@@ -551,7 +551,7 @@ class RemoteLauncher(GangLauncher):
         if self.node_starter is not None:
             self.node_starter.record()
 
-    async def stop(self, now: bool = False) -> None:  # noqa: ARG002 - the agents end their ranks at once
+    async def stop(self, now: bool = False) -> None:  # now unused: the agents end their ranks at once
         """Tell every agent to stop (they end their ranks), then end the node starter (srun/ssh) and the listener."""
         if self.node_starter is not None:
             self.node_starter.expect_exit()  # srun/ssh ending now is no failure

@@ -111,7 +111,7 @@ def _on_ranks(original: Callable) -> Callable:
 
 
 def _print_once(original: Callable) -> Callable:
-    def print(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: A001 - PartialState.print
+    def print(self: Any, *args: Any, **kwargs: Any) -> None:  # PartialState.print
         if not hf.active() or not self.use_distributed:
             return original(self, *args, **kwargs)
         from dist_kernel.rank.agent import flush_streams, solo_output
@@ -135,7 +135,7 @@ def _patch_package(mod: ModuleType) -> None:
     # accelerate was imported before the integration was installed
     launchers = getattr(mod, "launchers", None)
     if launchers is not None and hasattr(mod, "notebook_launcher"):
-        mod.notebook_launcher = launchers.notebook_launcher
+        mod.notebook_launcher = launchers.notebook_launcher  # type: ignore[attr-defined]  # ModuleType declares no attributes; accelerate has it
 
 
 def _patch_state(mod: ModuleType) -> None:

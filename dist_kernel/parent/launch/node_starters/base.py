@@ -206,7 +206,7 @@ class NodeStarter:
             self.log.info("%s: %s", child.label, line)
             try:
                 self._on_line(child, line)
-            except Exception:  # noqa: BLE001 - a parse problem must not stop the reading
+            except Exception:  # a parse problem must not stop the reading
                 self.log.exception("while reading %s", child.label)
         while True:  # a timeout: poll() in other threads gets no answer while wait() blocks
             try:
