@@ -370,3 +370,79 @@ class TestOutputInABranchOnTheRank:
         out = run(CellMerger([0], W), [say_branch(0, 0, "x\n")])
         assert out == [("stream", {"name": "stdout", "text": "x\n"})]
 
+
+
+class TestLinesALibraryWritesOnRank0Only:
+    """Issue 30 §3.1: a library that logs on rank 0 only, from code the cell does not show (so
+    unmarked), must not split the identical prints around it. A rank's stderr is sent apart from
+    its stdout: the flushed log lines of rank 0 come before the prints it made first."""
+
+    @staticmethod
+    def cell(n: int, lines: int) -> list:
+        logs = [say(0.01 + 0.001 * i, 0, f"lib line {i}\n", "stderr") for i in range(lines)]
+        # stdout is sent at the cell's end: rank 0's a little after the others'
+        ends = [say(0.3 + 0.01 * ((r - 1) % n), r, "hello\nbye\n") for r in range(n)]
+        return logs + ends
+
+    @pytest.mark.parametrize("n", [2, 4])
+    @pytest.mark.parametrize("lines", [3, 6])
+    def test_identical_prints_around_rank_0s_log_lines_show_once(self, n, lines):
+        out = run_polled(CellMerger(list(range(n)), W), self.cell(n, lines), end=2)
+        assert streams(out) == "hello\nbye\n"
+        assert streams(out, "stderr") == "".join(f"[rank 0] lib line {i}\n" for i in range(lines))
+
+    @pytest.mark.parametrize("n", [2, 4])
+    @pytest.mark.parametrize("lines", [3, 6])
+    def test_they_do_not_split_the_prints_of_ranks_that_finished_before_they_came(self, n, lines):
+        # as a real kernel sends it: the other ranks finish first, then rank 0's flushed log
+        # lines come, then its prints (its stdout is sent at the cell's end)
+        m = CellMerger(list(range(n)), W)
+        out = []
+        for r in range(1, n):
+            m.add(r, "stream", {"name": "stdout", "text": "hello\nbye\n"}, 0.0)
+            m.rank_done(r, 0.0)
+        for i in range(lines):
+            m.add(0, "stream", {"name": "stderr", "text": f"lib line {i}\n"}, 0.003 + 0.001 * i)
+            out += m.take()
+        m.add(0, "stream", {"name": "stdout", "text": "hello\nbye\n"}, 0.01)
+        m.rank_done(0, 0.01)
+        m.finish(0.01)
+        out += m.take()
+        assert streams(out) == "hello\nbye\n"
+        assert streams(out, "stderr") == "".join(f"[rank 0] lib line {i}\n" for i in range(lines))
+
+    @pytest.mark.parametrize("n", [2, 4])
+    def test_log_lines_in_step_with_the_prints_do_not_split_them(self, n):
+        events = [say(0.01 * r, r, "hello\n") for r in range(n)]
+        events += [say(0.05 + 0.001 * i, 0, f"lib line {i}\n", "stderr") for i in range(6)]
+        events += [say(0.1 + 0.01 * r, r, "bye\n") for r in range(n)]
+        out = run_polled(CellMerger(list(range(n)), W), events, end=2)
+        assert streams(out) == "hello\nbye\n"
+
+    def test_a_line_of_the_other_stream_waits_at_most_the_lag_bound(self):
+        m = CellMerger([0, 1], W)
+        m.add(0, "stream", {"name": "stderr", "text": "log\n"}, 0.0)
+        m.add(1, "stream", {"name": "stdout", "text": "x\n"}, 0.0)
+        m.poll(LAG_BOUND - 0.01)
+        assert m.take() == []  # rank 0's stdout twin may still come after its log line
+        m.poll(LAG_BOUND)
+        out = m.take()
+        assert streams(out) == "[rank 1] x\n" and streams(out, "stderr") == "[rank 0] log\n"
+
+    def test_lines_that_differ_on_one_stream_are_still_labelled_at_once(self):
+        m = CellMerger([0, 1], W)
+        m.add(0, "stream", {"name": "stderr", "text": "log\n"}, 0.0)
+        m.add(1, "stream", {"name": "stderr", "text": "other\n"}, 0.0)
+        assert streams(m.take(), "stderr") == "[rank 0] log\n[rank 1] other\n"
+
+
+def test_a_display_after_rank_0s_branch_display_shows_once_at_4_ranks():
+    """``if rank == 0: display('mine')`` then ``display('shared')``: the branch item takes no
+    place, so it is not "something else" at the place of the shared display."""
+    mine = {"data": {"text/plain": "'mine'"}, "metadata": {"dist_kernel": {"branch": True}}}
+    shared = {"data": {"text/plain": "'shared'"}, "metadata": {}}
+    for lag0 in (0.0, 0.02, 0.05):
+        events = [(lag0, 0, "display_data", mine), (lag0 + 0.001, 0, "display_data", shared)]
+        events += [(0.01 * r, r, "display_data", shared) for r in (1, 2, 3)]
+        out = run_polled(CellMerger([0, 1, 2, 3], W), events, end=2)
+        assert [c["data"]["text/plain"] for _, c in out] == ["[rank 0] 'mine'", "'shared'"], lag0

@@ -5,6 +5,10 @@ The ranks' queues are aligned like a diff, by sequence, not by the clock: the k-
 is the candidate twin of the k-th item of the others. An item waits for a rank that has not
 reached its place yet while that rank runs the cell, has been silent for less than
 :data:`LAG_BOUND` (in send times) and has not kept giving different items (:data:`DIVERGE_AFTER`).
+A rank whose next item at that place was made in a branch on the rank, or is a line of the other
+stream (stdout and stderr are sent apart: a library's flushed stderr line overtakes the prints
+made before it), has not given something else there yet: it is waited for as a lagging rank is,
+and a twinless line published beside the other stream's line takes no place (:meth:`_beside`).
 
 What is decided per item does not grow with the number of ranks: a rank that has not printed yet
 blocks every queued item at once (:meth:`Aligner._blocked`), and an item whose twins are all at
@@ -26,6 +30,21 @@ LAG_BOUND = 5.0
 #: not waited for beyond the window, until its output matches again
 DIVERGE_AFTER = 4
 _DUE, _DIFFERS = 1, 2  # Aligner._due's answers besides 0 (wait)
+_OTHER = {"stdout": "stderr", "stderr": "stdout"}
+
+
+def _soft(head: Item, other: Item) -> bool:
+    """Does a rank whose next item is ``other``, at ``head``'s place, not (yet) show that it gave
+    something else than ``head`` there? ``other`` was made in a branch on the rank (it takes no
+    place), or it is a line of the other stream: a rank's stdout and stderr are sent apart, so
+    its stderr line (a library logging on rank 0 only) may overtake the stdout twin it printed
+    first. ``head`` itself made in a branch waits for no one (it waits the window only)."""
+    if head.branch:
+        return False
+    if other.branch:
+        return True
+    return (head.kind == "stream" and other.kind == "stream"
+            and head.content["name"] != other.content["name"])
 
 
 class Aligner(RankQueues):
@@ -161,10 +180,11 @@ class Aligner(RankQueues):
                 self._pop_own_run(r, now, final)
                 popped.add(r)
                 continue
-            if len(group) == 1 and due[r] == _DIFFERS and not head.branch:
+            extra = head.branch or (len(group) == 1 and self._beside(head, self._place[r]))
+            if len(group) == 1 and due[r] == _DIFFERS and not extra:
                 self._differed(r)
             for q in group:  # output made in a branch on the rank is extra, as a diff sees it
-                self._pop(q, place=not head.branch, shared=len(group) > 1)
+                self._pop(q, place=not extra, shared=len(group) > 1)
             if len(group) > 1:
                 self._shared(group)
             popped.update(group)
@@ -184,7 +204,8 @@ class Aligner(RankQueues):
             # other unfinished ranks are decides, counted by place
             here = self._qu_places.get(place, 0)
             behind = sum(n for p, n in self._undone_places.items() if p <= place) - here
-            if not behind:  # every other unfinished rank at or before this place has an item here
+            if not behind and not self._soft_here(head, place):
+                # every other unfinished rank at or before this place has an item here
                 return _DIFFERS if here - self._heads_at.get((place, head.key), 0) else _DUE
         return self._due_scan(rank, head, now)
 
@@ -206,6 +227,12 @@ class Aligner(RankQueues):
             if q in self._done or self._place[q] > place:
                 continue  # q finished, or is past this place: its twin is gone
             diverged = self.streak(q) >= self.diverge_after
+            if qq and not qq[0].held and not diverged and self._place[q] == place and _soft(head, qq[0]):
+                # q's head does not show that q gave something else here: q may still give the
+                # twin after it, as a lagging rank would (a branch item is published within the
+                # window; the other stream's line waits at most the lag bound)
+                if qq[0].branch or now - head.t < self.lag_bound:
+                    return 0
             if qq and not qq[0].held and (self._place[q] == place or diverged):
                 differs = True  # q gave something else here (or, diverged, gave something else now)
                 continue
@@ -219,6 +246,23 @@ class Aligner(RankQueues):
         if window and now - head.t < wait:
             return 0
         return _DIFFERS if differs else _DUE
+
+    def _soft_here(self, head: Item, place: int) -> bool:
+        """Is a rank queued at ``place`` whose head may not be the place's item but what it gave
+        besides (:func:`_soft`)? Then the ranks are looked at one by one."""
+        if head.branch or not self._soft_at:
+            return False
+        if self._soft_at.get((place, "branch")):
+            return True
+        return head.kind == "stream" and bool(self._soft_at.get((place, _OTHER.get(head.content["name"]))))
+
+    def _beside(self, head: Item, place: int) -> bool:
+        """Is ``head``, published without twins, a line given beside another rank's line of the
+        other stream at its place? Then it is an extra, as a diff sees it, not what the rank gave
+        instead of that line (a rank's stdout and stderr are sent apart: their order between
+        each other is not the one they were written in), and takes no place."""
+        other = _OTHER.get(head.content["name"]) if head.kind == "stream" else None
+        return other is not None and bool(self._streams_at.get((place, other)))
 
     def _differed(self, rank: int) -> None:
         """``rank``'s head differs from what the ranks at its place gave: one more for each streak
@@ -244,10 +288,11 @@ class Aligner(RankQueues):
             due = self._due(rank, now, final)
             if not due:
                 break
-            if due == _DIFFERS and not item.branch:
+            extra = item.branch or self._beside(item, self._place[rank])
+            if due == _DIFFERS and not extra:
                 self._differed(rank)
             cr = cr or item.cr
-            texts.append(self._pop(rank, place=not item.branch).content["text"])
+            texts.append(self._pop(rank, place=not extra).content["text"])
         self._emit(Item("stream", None, {"name": name, "text": "".join(texts)}, now, cr=cr), [rank])
 
     def _pop_common_run(self) -> bool:

@@ -25,6 +25,23 @@ def _dec(counter: dict, key: Hashable) -> None:
         del counter[key]
 
 
+def _soft_tag(item: Item) -> Hashable | None:
+    """Why a rank whose head is ``item`` may still give, after it, the twin of another rank's item
+    at the same place: ``"branch"`` (an item made in a branch on the rank takes no place), or the
+    stream's name (a rank's stdout and stderr are buffered and sent apart, so their order between
+    each other is not the order the rank wrote them in); None: neither."""
+    if item.branch:
+        return "branch"
+    if item.kind == "stream":
+        return item.content["name"]
+    return None
+
+
+def _stream_name(item: Item) -> str | None:
+    """The stream of a line that takes a place (not made in a branch); None for anything else."""
+    return item.content["name"] if item.kind == "stream" and not item.branch else None
+
+
 class RankQueues:
     """Per rank: its queue, its place in the cell's sequence of items, when it was last heard
     from, and how often in a row its items differed from the others' (its streak)."""
@@ -38,6 +55,10 @@ class RankQueues:
         self._holders: dict[Hashable, int] = {}  # key -> ranks that have it queued
         self._heads: dict[Hashable, int] = {}  # key -> ranks whose next item it is
         self._heads_at: dict[tuple[int, Hashable], int] = {}  # (place, key) -> unfinished ranks, likewise
+        # (place, tag) -> unfinished ranks queued there whose head is not comparable with every
+        # item at that place (see :func:`_soft_tag`): the alignment looks closer where there are any
+        self._soft_at: dict[tuple[int, Hashable], int] = {}
+        self._streams_at: dict[tuple[int, str], int] = {}  # (place, name) -> ranks queued there with a line of it next
         self._queued: set[int] = set()  # ranks with output queued
         # queued items the alignment must look at even while a rank keeps every head waiting:
         # special ones (Item.special) and pieces of a line (Item.partial: twins are cut to match)
@@ -88,9 +109,13 @@ class RankQueues:
             place, key = self._place[rank], self._queues[rank][0].key
             _dec(self._q_places, place)
             _dec(self._heads, key)
+            if (name := _stream_name(self._queues[rank][0])) is not None:
+                _dec(self._streams_at, (place, name))
             if rank not in self._done:
                 _dec(self._qu_places, place)
                 _dec(self._heads_at, (place, key))
+                if (tag := _soft_tag(self._queues[rank][0])) is not None:
+                    _dec(self._soft_at, (place, tag))
 
     def _after(self, rank: int) -> None:
         """``rank``'s head or place changed: count it again where it is now."""
@@ -101,9 +126,13 @@ class RankQueues:
             key = queue[0].key
             self._q_places[place] += 1
             self._heads[key] = self._heads.get(key, 0) + 1
+            if (name := _stream_name(queue[0])) is not None:
+                self._streams_at[(place, name)] = self._streams_at.get((place, name), 0) + 1
             if rank not in self._done:
                 self._qu_places[place] += 1
                 self._heads_at[(place, key)] = self._heads_at.get((place, key), 0) + 1
+                if (tag := _soft_tag(queue[0])) is not None:
+                    self._soft_at[(place, tag)] = self._soft_at.get((place, tag), 0) + 1
             self._mark[rank] = self._owed(rank)
         else:
             self._queued.discard(rank)
