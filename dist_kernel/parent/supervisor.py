@@ -114,6 +114,9 @@ class RankSupervisor:
         self._watch_task: asyncio.Task | None = None
         # faults on other machines, heard for FAULT_SETTLE before one is named (fault_policy rule 6)
         self._causes: list[RemoteCause] = []
+        # ranks seen stopped: looked at on every turn of _watch until they run again, so a
+        # continue is noticed even if its event was lost (a handful of ranks, never all)
+        self._stopped: set[int] = set()
         self._fault_reported = False
         # cleans up if this process is SIGKILLed (see reaper.py); exits when the dir is gone
         self._reaper = subprocess.Popen(
@@ -323,6 +326,8 @@ class RankSupervisor:
                 failure = self.launcher.failure()  # srun or ssh ended: scancel, a time limit, a lost link
                 if failure:
                     self._on_fault(RemoteCause("launcher", failure))
+            for rank in list(self._stopped):
+                await self._look_at(self.ranks[rank])
             if not self.launcher.watches:
                 for r in list(self.ranks.values()):
                     await self._look_at(r)
@@ -337,6 +342,7 @@ class RankSupervisor:
     async def _look_at(self, r: Rank) -> None:
         """Tell the kernel of a rank that exited, was stopped, or runs again."""
         if not r.alive:
+            self._stopped.discard(r.rank)
             return
         await r.process.poll()
         reason = r.process.exit_reason()
@@ -347,6 +353,10 @@ class RankSupervisor:
             return
         state = r.process.os_state()
         stopped = state_words(state) if state in STOPPED else ""
+        if stopped:
+            self._stopped.add(r.rank)
+        else:
+            self._stopped.discard(r.rank)
         if stopped != r.stopped:
             r.stopped = stopped
             with contextlib.suppress(Exception):
