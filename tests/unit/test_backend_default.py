@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
+from option_args import ns
 
 from dist_kernel import options as config
 from dist_kernel.exceptions import ConfigError
-
-
-def ns(**kw) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    config.add_arguments(p)
-    args = []
-    for k, v in kw.items():
-        args += ["--" + k.replace("_", "-"), str(v)]
-    return p.parse_args(args)
 
 
 def test_two_ranks_on_one_gpu_by_default_share_it_over_gloo_and_say_so_once():

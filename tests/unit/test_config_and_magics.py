@@ -9,20 +9,12 @@ import re
 from pathlib import Path
 
 import pytest
+from option_args import ns
 
 from dist_kernel import capacity
 from dist_kernel import options as config
 from dist_kernel.exceptions import ConfigError, RankSpecError
 from dist_kernel.parent.magics import format_ranks, parse_rank_spec, plan_cell
-
-
-def ns(**kw):
-    p = argparse.ArgumentParser()
-    config.add_arguments(p)
-    args = []
-    for k, v in kw.items():
-        args += ["--" + k.replace("_", "-"), str(v)]
-    return p.parse_args(args)
 
 
 class TestRankSpec:
