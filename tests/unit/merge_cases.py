@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from dist_kernel.parent.merge import CellMerger
+from dist_kernel.parent.merge import CellMerger, render_cr
 
 W = 0.1  # merge window used throughout
 
@@ -36,6 +36,32 @@ def final_displays(out) -> set[str]:
         if t in ("display_data", "update_display_data") and "transient" in c:
             shown[c["transient"]["display_id"]] = c["data"].get("text/plain", "")
     return set(shown.values())
+
+
+def frontend(out) -> str:
+    """What a frontend shows at the end (JupyterLab, nbclient): outputs replayed in order, a
+    ``clear_output(wait=True)`` taking effect at the next output, display updates in place, and
+    consecutive stream text of one name as one output, in which ``\\r`` rewrites its line."""
+    shown: list[list] = []  # [kind, display id or stream name, text]
+    clear = False
+    for t, c in out:
+        if t == "clear_output":
+            clear, shown = (True, shown) if c.get("wait") else (False, [])
+            continue
+        if t == "update_display_data":
+            for o in shown:
+                if o[0] == "display" and o[1] == c["transient"]["display_id"]:
+                    o[2] = c["data"].get("text/plain", "")
+            continue
+        if clear:
+            shown, clear = [], False
+        if t == "stream" and shown and shown[-1][:2] == ["stream", c["name"]]:
+            shown[-1][2] += c["text"]
+        elif t == "stream":
+            shown.append(["stream", c["name"], c["text"]])
+        elif t in ("display_data", "execute_result"):
+            shown.append(["display", (c.get("transient") or {}).get("display_id"), c["data"].get("text/plain", "")])
+    return "".join(render_cr(o[2]) if o[0] == "stream" else o[2] + "\n" for o in shown)
 
 
 def expand(spec: str) -> list[int]:

@@ -26,9 +26,12 @@ rendering (:mod:`.rendering`):
   diff sees it), so the ranks' later identical items still align.
 
 In a cell run by several ranks, a rank that calls ``clear_output`` on its own (the others
-have not reached the same point) or rewrites its line with ``\\r`` (progress bars) would erase
-or garble the other ranks' output. Instead, that output goes to an *area*: one display per group
-of ranks, updated in place with ``update_display_data`` (what ipyparallel does per engine).
+have not reached the same point) would erase the other ranks' output. Instead, that output goes
+to an *area*: one display per group of ranks, updated in place with ``update_display_data`` (what
+ipyparallel does per engine). A line rewritten with ``\\r`` (a progress bar) is one display, a
+line per rank, redrawn in place, one shared line where the ranks agree (:mod:`.bars`). What a
+rank makes inside an ipywidgets ``Output`` goes into the widget plainly, and nothing else does
+(:mod:`.captures`).
 
 Display ids: a display shows, for every rank, the newest content that rank gave it; ranks that
 agree share one unlabelled rendering, ranks that differ are shown side by side, labelled, in

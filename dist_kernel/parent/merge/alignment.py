@@ -20,7 +20,7 @@ from collections.abc import Hashable
 
 from dist_kernel.parent.merge.queues import RankQueues
 from dist_kernel.parent.merge.rendering import Renderer
-from dist_kernel.parent.merge.units import Item, wait_for_size
+from dist_kernel.parent.merge.units import Item, stream_key, wait_for_size
 
 #: how long an item waits for a rank that has not reached its place yet and has been silent
 #: (no output in this cell) meanwhile: a rank that lags by less than this is merged, however far
@@ -31,6 +31,12 @@ LAG_BOUND = 5.0
 DIVERGE_AFTER = 4
 _DUE, _DIFFERS = 1, 2  # Aligner._due's answers besides 0 (wait)
 _OTHER = {"stdout": "stderr", "stderr": "stdout"}
+
+
+def _slowest(items: list[Item]) -> Item:
+    """Which of twin items is published: the first, or of progress states that may differ in their
+    rates and times (:func:`~.units.progress_key`), the one that came last: the slowest rank's."""
+    return max(items, key=lambda i: i.t) if items[0].cr else items[0]
 
 
 def _soft(head: Item, other: Item) -> bool:
@@ -155,7 +161,7 @@ class Aligner(RankQueues):
                     extra = any(queues[r][0].branch for r in live)  # every rank or none takes a place
                     items = [self._pop(r, place=not extra, shared=True) for r in live]
                     self._shared(live)
-                    self._emit(items[0], None)
+                    self._emit(_slowest(items), None)
                     continue
                 if self._match_deeper(live):
                     continue
@@ -174,8 +180,8 @@ class Aligner(RankQueues):
         for r in live:
             if r not in due or r in popped:
                 continue
-            head = queues[r][0]
-            group = [q for q in by_key[head.key] if q not in popped]
+            group = [q for q in by_key[queues[r][0].key] if q not in popped]
+            head = _slowest([queues[q][0] for q in group])
             if group == [r] and head.kind == "stream" and not self._render.area_ranks:
                 self._pop_own_run(r, now, final)
                 popped.add(r)
@@ -279,21 +285,22 @@ class Aligner(RankQueues):
         queue = self._queues[rank]
         name = queue[0].content["name"]
         texts: list[str] = []
-        cr = False
+        cr, captured = queue[0].cr, queue[0].captured
         while queue:
             item = queue[0]
-            if item.kind != "stream" or item.content["name"] != name or item.held or (
-                    texts and self._holders[item.key] > 1):
-                break  # an item with a twin queued is published with it, not in this run
+            if item.kind != "stream" or item.content["name"] != name or item.held or (texts and (
+                    self._holders[item.key] > 1 or item.cr != cr or item.captured != captured)):
+                # an item with a twin queued is published with it, not in this run; a progress
+                # state is drawn on its bar, and what a widget captured goes inside it, apart
+                break
             due = self._due(rank, now, final)
             if not due:
                 break
             extra = item.branch or self._beside(item, self._place[rank])
             if due == _DIFFERS and not extra:
                 self._differed(rank)
-            cr = cr or item.cr
             texts.append(self._pop(rank, place=not extra).content["text"])
-        self._emit(Item("stream", None, {"name": name, "text": "".join(texts)}, now, cr=cr), [rank])
+        self._emit(Item("stream", None, {"name": name, "text": "".join(texts)}, now, cr=cr, captured=captured), [rank])
 
     def _pop_common_run(self) -> bool:
         """Fast path for floods: pop the run of items that every rank has, identical, at its head;
@@ -307,14 +314,15 @@ class Aligner(RankQueues):
         for r in self.ranks:
             self._before(r)
         texts: list[str] = []
-        name = item.content["name"]
+        name, cr, captured = item.content["name"], item.cr, item.captured
         done = 0
         while done < n:
             item = first[0]
             key = item.key
-            if item.kind != "stream" or item.content["name"] != name or any(q[0].key != key for q in others):
+            if (item.kind != "stream" or item.content["name"] != name or item.cr != cr
+                    or item.captured != captured or any(q[0].key != key for q in others)):
                 break
-            texts.append(item.content["text"])
+            texts.append((_slowest([q[0] for q in queues]) if cr else item).content["text"])
             for r, q in zip(self.ranks, queues, strict=True):
                 self._uncount(r, q.popleft())
             done += 1
@@ -322,7 +330,7 @@ class Aligner(RankQueues):
             self._move(r, self._place[r] + done)
             self._after(r)
         self._shared(self.ranks)
-        self._emit(Item("stream", None, {"name": name, "text": "".join(texts)}, 0.0), None)
+        self._emit(Item("stream", None, {"name": name, "text": "".join(texts)}, 0.0, cr=cr, captured=captured), None)
         return True
 
     def _match_deeper(self, live: list[int]) -> bool:
@@ -336,10 +344,12 @@ class Aligner(RankQueues):
             if self._holders[key] == len(self.ranks):
                 for q in self.ranks:
                     while queues[q][0].key != key:
-                        self._emit(self._pop(q, place=False), [q])
+                        item = self._pop(q, place=False)
+                        # output a rank marked as its alone is shown unlabelled, as at the head
+                        self._emit(item, None if item.solo or item.in_order else [q])
                 items = [self._pop(q, shared=True) for q in self.ranks]
                 self._shared(self.ranks)
-                self._emit(items[0], None)
+                self._emit(_slowest(items), None)
                 return True
         return False
 
@@ -362,8 +372,8 @@ class Aligner(RankQueues):
                 self._uncount(r, head)
                 for piece, partial in ((whole[len(text):], head.partial), (text, False)):
                     # the rest of a piece that was itself cut short may be cut again
-                    item = Item("stream", ("stream", name, piece), {"name": name, "text": piece}, head.t,
-                                size=len(piece), cr=head.cr, partial=partial)
+                    item = Item("stream", stream_key(name, piece, head.cr), {"name": name, "text": piece}, head.t,
+                                size=len(piece), cr=head.cr, partial=partial, captured=head.captured)
                     queues[r].appendleft(item)
                     self._count(r, item)
                 self._after(r)

@@ -8,10 +8,19 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from dist_kernel.parent.merge.alignment import DIVERGE_AFTER, LAG_BOUND, Aligner
+from dist_kernel.parent.merge.captures import capture_change
 from dist_kernel.parent.merge.errors import error_key
 from dist_kernel.parent.merge.labels import namespaced_display_id, unmarked
 from dist_kernel.parent.merge.rendering import RICH_TYPES, DisplayRegistry, Emit, Renderer
-from dist_kernel.parent.merge.units import Item, Partial, content_key, split_lines, split_units, wait_for_size
+from dist_kernel.parent.merge.units import (
+    Item,
+    Partial,
+    content_key,
+    split_lines,
+    split_units,
+    stream_key,
+    wait_for_size,
+)
 from dist_kernel.protocol import META_BRANCH, META_SOLO, meta_of
 
 #: how long an ``error`` item that later output of its rank follows waits for the rank's
@@ -55,6 +64,7 @@ class CellMerger(Aligner):
         self._chunks: dict[int, tuple[str, str, float]] = {}
         self._chunks_since = 0.0  # when the first waiting chunk arrived
         self._done_chunked = 0  # finished ranks whose chunk waits
+        self._capturing: dict[int, set[Hashable]] = {}  # rank -> the Output widgets it captures into now
 
     # ----------------------------------------------------------------- input
     def add(self, rank: int, msg_type: str, content: dict, now: float, sent: float | None = None) -> None:
@@ -79,7 +89,11 @@ class CellMerger(Aligner):
         elif msg_type == "clear_output":
             # an unfinished line belongs before the clear: held back, it would join the next line
             self._flush_partials(rank, now, force=True)
-            self._push(rank, Item("clear_output", ("clear_output", bool(content.get("wait"))), content, now))
+            # a clear inside an Output widget (a progress widget that rank 0 alone redraws) is an
+            # extra, as a branch's output is: it takes no place, so what the ranks print after
+            # the widget's loop still meets its twins; its twins (every rank clearing) go out once
+            self._push(rank, Item("clear_output", ("clear_output", bool(content.get("wait"))), content, now,
+                                  branch=rank in self._capturing and len(self.ranks) > 1))
         self._drain(now)
 
     def add_in_order(self, rank: int, msg_type: str, content: dict, now: float) -> None:
@@ -92,6 +106,12 @@ class CellMerger(Aligner):
         self._flush_partials(rank, now, force=True)
         for item in self._held.pop(rank, ()):
             item.held = False
+        change = capture_change(content)
+        if change is not None:  # what the rank makes from now on goes inside the widget, or not
+            widgets = self._capturing.setdefault(rank, set())
+            (widgets.add if change[1] else widgets.discard)(change[0])
+            if not widgets:
+                del self._capturing[rank]
         self._push(rank, Item(msg_type, ("in_order", rank, id(content)), content, now, in_order=True))
         self._drain(now)
 
@@ -174,6 +194,11 @@ class CellMerger(Aligner):
         """Messages to publish now, consecutive stream text of one name coalesced."""
         return self._render.take()
 
+    def _push(self, rank: int, item: Item) -> None:
+        if rank in self._capturing and not item.in_order:
+            item.captured = True  # shown inside the widget (see :mod:`.captures`)
+        super()._push(rank, item)
+
     # ----------------------------------------------------------------- chunks
     def _add_chunk(self, rank: int, name: str, text: str, now: float) -> bool:
         """Fast path for identical output (issue 14): a stream chunk of whole lines that arrives
@@ -181,7 +206,7 @@ class CellMerger(Aligner):
         other ranks; when every rank has sent it, it is published once, never split into
         lines. False: the chunk takes the line-by-line path (anything waiting is split first)."""
         if (not text.endswith("\n") or rank in self._chunks or self._render.area_ranks or rank in self._done
-                or len(self._places) > 1  # the ranks are not at one place
+                or self._capturing or len(self._places) > 1  # a widget captures; the ranks are not at one place
                 or self._queued or self._unfinished or len(self._done) > self._done_chunked):
             return False
         if self._chunks and next(iter(self._chunks.values()))[:2] != (name, text):
@@ -220,7 +245,7 @@ class CellMerger(Aligner):
             units, rest = split_units(text)
             made = bool(units)
             for unit, cr in units:
-                self._push(rank, Item("stream", ("stream", name, unit), {"name": name, "text": unit}, t0,
+                self._push(rank, Item("stream", stream_key(name, unit, cr), {"name": name, "text": unit}, t0,
                                       size=len(unit), cr=cr, branch=first))
                 t0, first = now, branch
         else:

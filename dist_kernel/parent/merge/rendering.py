@@ -9,6 +9,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from dist_kernel.parent.merge.bars import Bar
+from dist_kernel.parent.merge.captures import FrontendCaptures
 from dist_kernel.parent.merge.labels import (
     combined,
     label,
@@ -18,7 +20,7 @@ from dist_kernel.parent.merge.labels import (
     prefix_lines,
     unmarked,
 )
-from dist_kernel.parent.merge.units import Item, render_cr
+from dist_kernel.parent.merge.units import Item, render_cr, squash
 from dist_kernel.protocol import META_RANKS, with_meta
 
 Emit = tuple[str, dict]  # (msg_type, content)
@@ -68,6 +70,8 @@ class _OpenLine:
 
     label: str | None
     after_cr: bool = False
+    ranks: list[int] | None = None  # the ranks that wrote it (None: every rank)
+    text: str = ""  # what it shows (squashed), label aside
 
 
 class Renderer:
@@ -77,8 +81,10 @@ class Renderer:
         self.ranks = tuple(ranks)
         self.displays = displays
         self.area_ranks: set[int] = set()  # ranks that cleared alone: their output goes to areas
-        self._out: list[Emit] = []
+        self._out: list[tuple[str, dict | Bar]] = []  # a Bar: its display's content when taken
         self._open: dict[str, _OpenLine] = {}
+        self._bars: dict[str, Bar] = {}  # stream name -> its rewritten line being drawn
+        self._captures = FrontendCaptures()
         self._areas: dict[tuple[str | None, str], _Area] = {}
         self._pending_clear: set[int] = set()  # ranks whose areas empty at their next output
         self._area_serial = 0
@@ -93,7 +99,8 @@ class Renderer:
         """Messages to publish now, consecutive stream text of one name coalesced."""
         out: list[Emit] = []
         texts: list[str] = []  # pieces of the stream message being built (joined once: no O(n^2))
-        for msg_type, content in self._out:
+        for msg_type, queued in self._out:
+            content = queued.content() if isinstance(queued, Bar) else queued
             if (msg_type == "stream" and out and out[-1][0] == "stream"
                     and out[-1][1]["name"] == content["name"]):
                 texts.append(content["text"])
@@ -131,13 +138,22 @@ class Renderer:
         if ranks is not None and len(ranks) == len(self.ranks):
             ranks = None
         if item.in_order:
-            self._out.append((item.kind, item.content))
+            self._out.extend(self._captures.change(item.kind, item.content))
+            self._open.clear()  # the widget and the cell are different output areas
+            self._bars.clear()
             return
+        around = self._captures.around(item.captured)
+        if around:
+            self._out.extend(around)
+            self._open.clear()
+            self._bars.clear()
         multi = len(self.ranks) > 1
         if item.kind == "clear_output":
-            if not multi or (ranks is None and not self.area_ranks):
-                # every rank cleared at the same point of its output: one clear, as one process
+            if not multi or item.captured or (ranks is None and not self.area_ranks):
+                # every rank cleared at the same point of its output: one clear, as one process;
+                # a clear inside an Output widget clears only the widget, never the other ranks' output
                 self._open.clear()
+                self._bars.clear()
                 self._out.append(("clear_output", item.content))
                 return
             # one rank clearing alone would wipe the other ranks' output: from now on this
@@ -150,18 +166,18 @@ class Renderer:
             return
         lab = None if ranks is None else label(ranks)
         # the group is built only where areas are in use: an item of every rank is O(1) otherwise
-        in_area = multi and bool(self.area_ranks) and all(r in self.area_ranks for r in self._group(ranks))
+        # output inside an Output widget goes out plainly: a widget shows no display updates
+        in_area = (multi and not item.captured and bool(self.area_ranks)
+                   and all(r in self.area_ranks for r in self._group(ranks)))
         if item.kind == "stream":
             text = item.content["text"]
-            area = self._areas.get((lab, "text"))
-            progress = lab is not None and (item.cr or "\r" in text.rstrip("\n") or (
-                area is not None and area.text and not area.text.endswith("\n")))
-            if in_area or progress:
+            if in_area:
                 self._to_area(lab, self._group(ranks), "text", text)
-            else:
-                self._emit_stream(item.content["name"], text, lab)
+            elif not (multi and not item.captured and self._to_bar(item, ranks)):
+                self._emit_stream(item.content["name"], text, lab, ranks)
             return
         self._open.clear()  # a rich output starts a new output area
+        self._bars.clear()
         content = item.content
         if item.kind == "error":
             self._out.append(("error", content if ranks is None else labelled_error(content, ranks)))
@@ -181,6 +197,52 @@ class Renderer:
 
     def _group(self, ranks: list[int] | None) -> list[int]:
         return list(self.ranks) if ranks is None else ranks
+
+    def _to_bar(self, item: Item, ranks: list[int] | None) -> bool:
+        """Draw a stream item on its stream's progress bar (:mod:`.bars`); False: it is no bar's.
+        A line rewritten with '\\r' is a bar from its first state on; text of ranks whose line
+        on the bar is still being drawn joins it. A shared line the stream started without '\\r'
+        stays stream text, as in one process, until a rank rewrites it alone: its text is then
+        blanked in the stream and drawn on the bar."""
+        name, text = item.content["name"], item.content["text"]
+        bar = self._bars.get(name)
+        progress = item.cr or "\r" in text.rstrip("\n")
+        if bar is None and not progress:
+            return False  # the common case, in O(1) for an item of every rank
+        group = self._group(ranks)
+        if bar is None or not (progress or bar.open_for(group)):
+            if not progress:
+                return False
+            state = self._open.get(name)
+            if state is not None and ranks is None and state.label is None:
+                return False  # every rank rewrites the line the stream shows: as one process
+            bar = self._new_bar(name, state)
+        bar.write(group, text)
+        self._show_bar(bar)
+        if bar.finished:
+            del self._bars[name]
+        return True
+
+    def _new_bar(self, name: str, state: _OpenLine | None) -> Bar:
+        """A bar for ``name``, taking over the stream's unfinished line (blanked there)."""
+        self._area_serial += 1
+        bar = Bar(name, f"dist-kernel-bar-{id(self):x}-{self._area_serial}", self.ranks)
+        if state is not None and state.text:
+            self._out.append(("stream", {"name": name, "text": "\r" + " " * (len(state.label or "") + len(
+                state.text.rstrip("\r")))}))
+            bar.write(self._group(state.ranks), state.text)
+        self._open.pop(name, None)
+        self._bars[name] = bar
+        return bar
+
+    def _show_bar(self, bar: Bar) -> None:
+        """Show ``bar`` as it will be when the output is taken (consecutive updates are one)."""
+        if not bar.shown:
+            bar.shown = True
+            self._open.clear()
+            self._out.append(("display_data", bar))
+        elif not (self._out and self._out[-1][1] is bar):
+            self._out.append(("update_display_data", bar))
 
     def _emit_display(self, item: Item, group: list[int]) -> None:
         """Publish a display with an id, or its update: one display shows what every rank gave it."""
@@ -238,17 +300,19 @@ class Renderer:
             self._out.append(("display_data", content))
             return
         last = self._out[-1] if self._out else None
-        if last and last[0] == "update_display_data" and last[1]["transient"]["display_id"] == area.display_id:
+        if (last and last[0] == "update_display_data" and isinstance(last[1], dict)
+                and last[1]["transient"]["display_id"] == area.display_id):
             self._out[-1] = ("update_display_data", content)  # only the newest state matters
         else:
             self._out.append(("update_display_data", content))
 
-    def _emit_stream(self, name: str, text: str, prefix: str | None) -> None:
+    def _emit_stream(self, name: str, text: str, prefix: str | None, ranks: list[int] | None = None) -> None:
         state = self._open.get(name)
         head = ""
         if state is not None and state.label != prefix:
             head = "\n"  # close the other ranks' unfinished line first
             state = None
+        raw = text
         if prefix:
             if state is None or state.after_cr:
                 head += prefix
@@ -259,5 +323,8 @@ class Renderer:
         if text.endswith("\n"):
             self._open.pop(name, None)
         else:
-            self._open[name] = _OpenLine(prefix, after_cr=text.endswith("\r"))
+            # what the line shows so far, label aside: a bar that takes the line over starts from it
+            _, nl, last = raw.rpartition("\n")
+            line = squash(last if nl or state is None else state.text + last)
+            self._open[name] = _OpenLine(prefix, text.endswith("\r"), ranks, line)
         self._out.append(("stream", {"name": name, "text": text}))

@@ -33,6 +33,7 @@ class Item:
     in_order: bool = False  # published as it is, in its place (see CellMerger.add_in_order)
     display_id: str | None = None
     cr: bool = False  # a piece of a line rewritten with '\r' (a progress bar)
+    captured: bool = False  # made while its rank captured into an ipywidgets ``Output`` (shown inside it)
     partial: bool = False  # the start of a line, published before its end came (it may be cut elsewhere)
     branch: bool = False  # made inside a branch on the rank (`if rank == 0:`): not held for silent ranks
 
@@ -64,6 +65,32 @@ def render_cr(text: str) -> str:
         parts = [p for p in line.split("\r") if p]
         out.append(parts[-1] if parts else "")
     return "\n".join(out)
+
+
+def squash(text: str) -> str:
+    """``text`` as :func:`render_cr` shows it, keeping a final ``\\r``: what follows rewrites the line."""
+    return render_cr(text) + ("\r" if text.endswith("\r") else "")
+
+
+#: the fields of a progress state that change with the clock, not with the progress: rates
+#: (``8.02it/s``, ``1.25s/it``, ``12ms/step``, ``?it/s``), clock times (``00:01``, ``1:02:03``),
+#: durations (``0.5s``); each with the spaces that pad it
+_CLOCK_FIELDS = re.compile(
+    r"\s*(?:(?:\d+(?:\.\d+)?|\?)\s?[kMGTPEZYmµu]?[A-Za-z]*/[A-Za-z]+"
+    r"|\d+:\d{2}(?::\d{2})?(?:\.\d+)?"
+    r"|\d+(?:\.\d+)?(?:ms|us|µs|s)\b)")
+_SPACES = re.compile(r"\s+")
+
+
+def progress_key(text: str) -> str:
+    """What two progress states (``\\r`` units) must share to be twins: ranks draw the same bar
+    at their own speed, so rates and times are left out, and the spaces that pad them."""
+    return _SPACES.sub(" ", _CLOCK_FIELDS.sub(" ~", text)).strip()
+
+
+def stream_key(name: str, text: str, cr: bool) -> Hashable:
+    """The key of a stream item: its text, or for a progress state its :func:`progress_key`."""
+    return ("stream", name, progress_key(text) if cr and text.strip() else text)
 
 
 def split_lines(text: str) -> tuple[list[str], str]:
