@@ -285,49 +285,7 @@ def markdown(res: dict, idle: bool = True) -> str:
                    else cluster.markdown(res))
         return "\n".join(lines + [section])
 
-    # 1. round trip
-    lines += [SECTIONS[0], "", "`x = 1`, from sending execute_request to the kernel's idle status, in ms. "
-              "Plain ipykernel blocks alternate with the distributed kernel's so noise hits both.", ""]
-    rows = []
-    for n in _main_ranks(res):
-        d = dist[str(n)]
-        rows.append([f"dist_kernel, {n} rank(s)", ms(d["rt"]["median"]), ms(d["rt"]["p90"]),
-                     ms(d["plain_rt"]["median"]), f"{ratio(d['rt']['median'], d['plain_rt']['median']):.2f}x"])
-    plain_all = res.get("plain", {}).get("rt_all", {})
-    for name in ("ipyparallel", "nbdistributed"):
-        block = res.get(name) or {}
-        if "error" in block:
-            rows.append([name, "n/a", "n/a", "", block["error"]])
-            continue
-        for n in sorted(int(k) for k in block):
-            d = block[str(n)]
-            if "error" in d:
-                rows.append([f"{name}, {n} engine(s)", "failed", "", "", d["error"]])
-                continue
-            base = dist[str(n)]["plain_rt"]["median"] if str(n) in dist else plain_all.get("median")
-            label = "`%px x = 1`" if name == "ipyparallel" else "auto-distributed cell"
-            rows.append([f"{name} {label}, {n} engine(s)", ms(d["median"]), ms(d["p90"]), ms(base),
-                         f"{ratio(d['median'], base):.2f}x"])
-    lines += _table(["system", "median ms", "p90 ms", "plain ipykernel median ms", "ratio"], rows)
-
-    # 2. startup
-    lines += [SECTIONS[1], "", "From starting the kernel to the first cell's result with torch imported "
-              "(and, for dist_kernel, every rank in the process group), in seconds (median of the samples).", ""]
-    rows = []
-    for n in _ranks(res):
-        d = dist[str(n)]
-        rows.append([f"dist_kernel, {n} rank(s)", num(_med(d["startup"])), num(_med(d["plain_startup"])),
-                     f"{ratio(_med(d['startup']), _med(d['plain_startup'])):.2f}x", str(len(d["startup"]))])
-    for name in ("ipyparallel", "nbdistributed"):
-        block = res.get(name) or {}
-        for n in sorted(int(k) for k in block if k != "error"):
-            d = block[str(n)]
-            if "startup" in d:
-                base = _med(dist[str(n)]["plain_startup"]) if str(n) in dist else float("nan")
-                what = "Cluster start + `%px import torch`" if name == "ipyparallel" else "`%dist_init` + first cell"
-                rows.append([f"{name} ({what}), {n}", num(d["startup"]), num(base), f"{ratio(d['startup'], base):.2f}x",
-                             "1 (in a running kernel)"])
-    lines += _table(["system", "ready s", "plain ipykernel + import torch s", "ratio", "samples"], rows)
+    lines += _round_trip_section(res) + _startup_section(res)
 
     # 3. streaming
     lines += [SECTIONS[2], "", "Latency: each rank prints `time.time()` every 10 ms; the client subtracts it on "
@@ -415,6 +373,58 @@ def markdown(res: dict, idle: bool = True) -> str:
             + (idle_targets(res) if with_idle else [])]
     lines += _table(["target (issue 6, 12)" if with_idle else "target (issue 6)", "measured", "result"], rows)
     return "\n".join(lines)
+
+
+def _round_trip_section(res: dict) -> list[str]:
+    """Section 1: the round trip of ``x = 1``, against plain ipykernel and the other systems."""
+    dist = res.get("dist", {})
+    lines = [SECTIONS[0], "", "`x = 1`, from sending execute_request to the kernel's idle status, in ms. "
+             "Plain ipykernel blocks alternate with the distributed kernel's so noise hits both.", ""]
+    rows = []
+    for n in _main_ranks(res):
+        d = dist[str(n)]
+        rows.append([f"dist_kernel, {n} rank(s)", ms(d["rt"]["median"]), ms(d["rt"]["p90"]),
+                     ms(d["plain_rt"]["median"]), f"{ratio(d['rt']['median'], d['plain_rt']['median']):.2f}x"])
+    plain_all = res.get("plain", {}).get("rt_all", {})
+    for name in ("ipyparallel", "nbdistributed"):
+        block = res.get(name) or {}
+        if "error" in block:
+            rows.append([name, "n/a", "n/a", "", block["error"]])
+            continue
+        for n in sorted(int(k) for k in block):
+            d = block[str(n)]
+            if "error" in d:
+                rows.append([f"{name}, {n} engine(s)", "failed", "", "", d["error"]])
+                continue
+            base = dist[str(n)]["plain_rt"]["median"] if str(n) in dist else plain_all.get("median")
+            label = "`%px x = 1`" if name == "ipyparallel" else "auto-distributed cell"
+            rows.append([f"{name} {label}, {n} engine(s)", ms(d["median"]), ms(d["p90"]), ms(base),
+                         f"{ratio(d['median'], base):.2f}x"])
+    lines += _table(["system", "median ms", "p90 ms", "plain ipykernel median ms", "ratio"], rows)
+    return lines
+
+
+def _startup_section(res: dict) -> list[str]:
+    """Section 2: from starting the kernel to the first cell's result, against the other systems."""
+    dist = res.get("dist", {})
+    lines = [SECTIONS[1], "", "From starting the kernel to the first cell's result with torch imported "
+             "(and, for dist_kernel, every rank in the process group), in seconds (median of the samples).", ""]
+    rows = []
+    for n in _ranks(res):
+        d = dist[str(n)]
+        rows.append([f"dist_kernel, {n} rank(s)", num(_med(d["startup"])), num(_med(d["plain_startup"])),
+                     f"{ratio(_med(d['startup']), _med(d['plain_startup'])):.2f}x", str(len(d["startup"]))])
+    for name in ("ipyparallel", "nbdistributed"):
+        block = res.get(name) or {}
+        for n in sorted(int(k) for k in block if k != "error"):
+            d = block[str(n)]
+            if "startup" in d:
+                base = _med(dist[str(n)]["plain_startup"]) if str(n) in dist else float("nan")
+                what = "Cluster start + `%px import torch`" if name == "ipyparallel" else "`%dist_init` + first cell"
+                rows.append([f"{name} ({what}), {n}", num(d["startup"]), num(base), f"{ratio(d['startup'], base):.2f}x",
+                             "1 (in a running kernel)"])
+    lines += _table(["system", "ready s", "plain ipykernel + import torch s", "ratio", "samples"], rows)
+    return lines
 
 
 def chart(res: dict, path: Path) -> None:

@@ -447,8 +447,3 @@ def sweep(bases: Iterable[str] | None = None) -> SweepReport:
         if not os.path.exists(d):
             report.removed.append(d)
     return report
-
-
-def sweep_stale_runtime_dirs(base: str | None = None) -> list[str]:
-    """Compatibility name for :func:`sweep`: the removed directories."""
-    return sweep([base] if base is not None else None).removed

@@ -61,7 +61,7 @@ def cmd_kernel(ns: argparse.Namespace) -> int:
         # start anyway: the frontend gets a kernel that explains the problem in the first
         # cell, instead of one that dies and restarts forever
         config = e
-    from dist_kernel.parent.kernel import launch
+    from dist_kernel.parent.app import launch
 
     # arguments the frontend adds (nbclient's --HistoryManager.hist_file=:memory:, say) are
     # ipykernel options: the parent takes them, and so does every rank

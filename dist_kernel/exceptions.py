@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+#: how every :class:`ConfigError` ends: where an option is set, and that the kernel must restart
+FIX_HINT = (
+    "Fix the option in the kernelspec (reinstall with `python -m dist_kernel install ...`) "
+    "or the DIST_KERNEL_* environment variable, then restart the kernel."
+)
+
 
 class DistKernelError(Exception):
     """Base class: the message names what went wrong and how to fix it."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 DEFAULT_NAME = "distributed-python"
@@ -21,5 +22,6 @@ def kernel_json(options: list[str], display_name: str = DEFAULT_DISPLAY_NAME,
         "language": "python",
         # the parent is never signalled: it receives interrupt_request and SIGINTs the busy ranks
         "interrupt_mode": "message",
-        "metadata": {"debugger": False},
+        # JupyterLab's debugger, on one rank (parent/debugger.py): where the ranks' Python has debugpy
+        "metadata": {"debugger": importlib.util.find_spec("debugpy") is not None},
     }

@@ -19,25 +19,18 @@ import ipaddress
 import os
 import re
 import shlex
-import shutil
-import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from dist_kernel import capacity
+from dist_kernel import capacity, devices, placement
 from dist_kernel.capacity import Machine
-from dist_kernel.exceptions import ConfigError
+from dist_kernel.exceptions import FIX_HINT, ConfigError
 
 BACKENDS = ("gloo", "nccl")
 #: where the ranks run: this machine, nodes started by Slurm's srun, or hosts reached by ssh
 LAUNCHERS = ("local", "slurm", "ssh")
 OUTPUT_POLICIES = ("all", "rank0")
 ENV_PREFIX = "DIST_KERNEL_"
-
-FIX_HINT = (
-    "Fix the option in the kernelspec (reinstall with `python -m dist_kernel install ...`) "
-    "or the DIST_KERNEL_* environment variable, then restart the kernel."
-)
 
 #: ``parse(flag, text)``: the value of an option given as ``text``, or a :class:`ConfigError`
 #: naming ``flag``. Checks against other options (the launcher, this machine's GPUs) are in
@@ -112,6 +105,9 @@ class Option:
     #: the :class:`KernelConfig` attribute holding the value (default: the option's name)
     field: str = ""
     metavar: str = ""
+    #: an on/off behaviour inside each rank: sent at the first formation (``Join.switches``),
+    #: switchable at run time (``set_option``); what it does there is in dist_kernel.rank.switches
+    rank_switch: bool = False
 
     @property
     def flag(self) -> str:
@@ -154,17 +150,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("merge_window_ms", milliseconds, "100", "ms to wait for identical output from other ranks "
            "(default {default})", _KERNEL, field="merge_window", metavar="MS"),
     Option("fastai", switch, "on", "fastai integration inside the ranks (default {default})", _SUPERVISOR,
-           metavar="on|off"),
+           metavar="on|off", rank_switch=True),
     Option("lightning", switch, "on", "Lightning integration inside the ranks (default {default})", _SUPERVISOR,
-           metavar="on|off"),
+           metavar="on|off", rank_switch=True),
     Option("hf", switch, "on", "Hugging Face integration inside the ranks: accelerate's notebook_launcher and "
-           "print, Transformers' Trainer output (default {default})", _SUPERVISOR, metavar="on|off"),
+           "print, Transformers' Trainer output (default {default})", _SUPERVISOR, metavar="on|off",
+           rank_switch=True),
     Option("seed", whole(0), None, "random seed shared by every rank (default: random)", _SUPERVISOR,
            metavar="N"),
     Option("hang_grace", positive, "10", "seconds a rank may wait in a collective the others never "
            "entered (default {default})", _KERNEL, metavar="S"),
     Option("empty_cache", switch, "on", "gc + torch.cuda.empty_cache() after each cell (default {default})",
-           _SUPERVISOR, metavar="on|off"),
+           _SUPERVISOR, metavar="on|off", rank_switch=True),
     Option("rich_output", choice(*OUTPUT_POLICIES), "all", "rich output from every rank (merged) or "
            "from rank 0 only (default {default})", _KERNEL, metavar="all|rank0"),
     Option("launcher", choice(*LAUNCHERS), "local", "where the ranks run: this machine, nodes started by "
@@ -186,6 +183,8 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 OPTION: dict[str, Option] = {o.name: o for o in OPTIONS}
+#: the options that switch a behaviour inside each rank (``set_option``'s names)
+RANK_SWITCHES: tuple[str, ...] = tuple(o.name for o in OPTIONS if o.rank_switch)
 
 
 def _default(name: str):  # no return type: each KernelConfig field has its own
@@ -225,6 +224,10 @@ class KernelConfig:
         if not self.ranks_per_node:
             object.__setattr__(self, "ranks_per_node", self.world_size // max(self.nodes, 1))
 
+    def rank_switches(self) -> dict[str, bool]:
+        """Each rank switch (:data:`RANK_SWITCHES`) and whether it is on, for ``Join.switches``."""
+        return {name: bool(getattr(self, OPTION[name].attribute)) for name in RANK_SWITCHES}
+
     @property
     def uses_cuda(self) -> bool:
         return bool(self.gpus)
@@ -246,7 +249,7 @@ class KernelConfig:
         """Device string a rank will use, as seen inside the rank (CUDA ids are remapped)."""
         if not self.gpus:
             return "cpu"
-        return f"cuda:{self.local_rank_of(rank) % len(self.gpus)}"
+        return f"cuda:{placement.cuda_index(self.local_rank_of(rank), len(self.gpus))}"
 
     def describe(self) -> str:
         if not self.remote:
@@ -289,28 +292,6 @@ def given(ns: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str |
     return out
 
 
-def visible_gpus(environ: dict[str, str] | None = None) -> list[int]:
-    """GPU ids this process may use, found without importing torch (the parent stays light).
-
-    Honours CUDA_VISIBLE_DEVICES; otherwise asks ``nvidia-smi -L``.
-    """
-    env = os.environ if environ is None else environ
-    mask = env.get("CUDA_VISIBLE_DEVICES")
-    if mask is not None:
-        ids = [p.strip() for p in mask.split(",") if p.strip()]
-        if not ids or ids[0].startswith("-"):
-            return []
-        return list(range(len(ids)))
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return []
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [i for i, line in enumerate(x for x in out.splitlines() if x.startswith("GPU "))]
-
-
 def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
             available_gpus: list[int] | None = None, machine: Machine | None = None) -> KernelConfig:
     """Turn flags (and the environment, where a flag is not given) into a validated :class:`KernelConfig`.
@@ -320,22 +301,12 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
     """
     env = os.environ if environ is None else environ
     raw = given(ns, env)
-    value: dict[str, object] = {}
-    for o in OPTIONS:
-        text = raw[o.name]
-        value[o.name] = None if text is None else _parse(o, text, ns)
+    value = {o.name: None if raw[o.name] is None else _parse(o, str(raw[o.name]), ns) for o in OPTIONS}
 
     def get(name: str):  # no return type: the option's own
         return OPTION[name].default_value() if value[name] is None else value[name]
 
-    def given_int(name: str) -> int | None:
-        """A whole-number option's parsed value; None when it was not given."""
-        v = value[name]
-        assert v is None or isinstance(v, int), (name, v)
-        return v
-
     warnings: list[str] = []
-
     launcher = get("launcher")
     remote = launcher != "local"
     hosts = _hosts(raw["hosts"], launcher)
@@ -346,81 +317,21 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
         warnings += [f"{OPTION[name].flag} is for --launcher slurm or ssh; the local ranks talk over IPC "
                      f"on this machine, so it has no effect." for name in ("listen", "port_range") if raw[name]]
 
-    if remote:
-        gpus = _remote_gpus(raw["gpus"])
-    else:
-        gpus = _local_gpus(raw["gpus"], visible_gpus(dict(env)) if available_gpus is None else available_gpus)
-
+    available = devices.visible_gpus(env) if available_gpus is None else available_gpus
+    gpus = devices.selected_gpus(raw["gpus"], remote, [] if remote else available)
     chosen = value["backend"]  # None: the kernel picks, once the ranks per GPU are known
     assert chosen is None or isinstance(chosen, str)
-    backend = chosen or ("nccl" if gpus else "gloo")
-    if backend == "nccl" and not gpus:
-        if remote:
-            raise ConfigError(
-                f"--backend nccl needs GPUs: with --launcher {launcher}, name the GPU ids on each node "
-                f"with --gpus (e.g. --gpus 0,1,2,3), or use --backend gloo. {FIX_HINT}")
-        raise ConfigError(f"--backend nccl needs GPUs, and none is visible; use --backend gloo. {FIX_HINT}")
+    devices.check_nccl_has_gpus(chosen, gpus, launcher)
+    counts = _RankCounts(_given_int(value, "ranks"), _given_int(value, "ranks_per_node"),
+                         _given_int(value, "nodes"), get("nodes"))
+    nodes, per_node = _remote_layout(counts, launcher, hosts, gpus) if remote else _local_layout(counts, gpus)
+    backend = devices.pick_backend(chosen, gpus, per_node, remote, warnings)
+    gpus = devices.fit_gpus(gpus, per_node, remote, warnings)
 
-    given_ranks, given_per_node, given_nodes = given_int("ranks"), given_int("ranks_per_node"), given_int("nodes")
-    if not remote:
-        if given_nodes is not None and given_nodes != 1:
-            raise ConfigError(
-                f"--nodes {given_nodes} needs ranks on other machines; use --launcher slurm or ssh "
-                f"(the local launcher runs every rank on this machine). {FIX_HINT}")
-        if given_per_node is not None and given_ranks is not None and given_per_node != given_ranks:
-            raise ConfigError(
-                f"--ranks-per-node {given_per_node} differs from --ranks {given_ranks}; with the local "
-                f"launcher there is one node, so give only --ranks. {FIX_HINT}")
-        nodes = 1
-        world = given_ranks or given_per_node or (len(gpus) if gpus else 2)
-        per_node = world
-        backend = _default_backend(chosen, backend, per_node, gpus, warnings)
-        if backend == "nccl" and world > len(gpus):
-            raise ConfigError(
-                f"--ranks {world} with nccl needs {world} GPUs but only {len(gpus)} are selected "
-                f"(NCCL cannot put two ranks on one GPU); use fewer ranks or --backend gloo. {FIX_HINT}")
-    else:
-        if launcher == "ssh":
-            if given_nodes is not None and given_nodes != len(hosts):
-                raise ConfigError(
-                    f"--nodes {given_nodes} does not match the {len(hosts)} host(s) in --hosts "
-                    f"({','.join(hosts)}); with --launcher ssh each host is one node, so drop --nodes "
-                    f"or list {given_nodes} hosts. {FIX_HINT}")
-            nodes = len(hosts)
-        else:
-            nodes = get("nodes")
-        if given_per_node is not None:
-            per_node = given_per_node
-            if given_ranks is not None and given_ranks != nodes * per_node:
-                raise ConfigError(
-                    f"--ranks {given_ranks} is not --nodes {nodes} x --ranks-per-node {per_node} "
-                    f"= {nodes * per_node}; give only --nodes and --ranks-per-node. {FIX_HINT}")
-        elif given_ranks is not None:
-            if given_ranks % nodes:
-                raise ConfigError(
-                    f"--ranks {given_ranks} cannot be split evenly over {nodes} nodes; give "
-                    f"--ranks-per-node instead (ranks = nodes x ranks per node). {FIX_HINT}")
-            per_node = given_ranks // nodes
-        else:
-            per_node = len(gpus) if gpus else 1
-        world = nodes * per_node
-        backend = _default_backend(chosen, backend, per_node, gpus, warnings)
-        if backend == "nccl" and per_node > len(gpus):
-            raise ConfigError(
-                f"--ranks-per-node {per_node} with nccl needs {per_node} GPUs on each node but only "
-                f"{len(gpus)} are selected with --gpus (NCCL cannot put two ranks on one GPU); use fewer "
-                f"ranks per node, more --gpus or --backend gloo. {FIX_HINT}")
-
-    if gpus and per_node < len(gpus):
-        gpus = gpus[:per_node]
-    if gpus and per_node > len(gpus):
-        where = " on each node" if remote else ""
-        warnings.append(shared_gpu_warning(per_node, len(gpus), where))
-
-    config = KernelConfig(world_size=world, backend=backend, gpus=tuple(gpus), timeout=get("timeout"),
+    config = KernelConfig(world_size=nodes * per_node, backend=backend, gpus=tuple(gpus), timeout=get("timeout"),
                           startup_timeout=get("startup_timeout"), merge_window=get("merge_window_ms"),
-                          fastai=get("fastai"), lightning=get("lightning"), hf=get("hf"), seed=given_int("seed"),
-                          hang_grace=get("hang_grace"),
+                          fastai=get("fastai"), lightning=get("lightning"), hf=get("hf"),
+                          seed=_given_int(value, "seed"), hang_grace=get("hang_grace"),
                           empty_cache=get("empty_cache"), rich_output=get("rich_output"), launcher=launcher,
                           nodes=nodes, ranks_per_node=per_node, hosts=hosts, slurm_args=slurm_args,
                           listen=listen, port_range=port_range, oversubscribe=get("oversubscribe"))
@@ -429,28 +340,61 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
     return dataclasses.replace(config, warnings=tuple(warnings))
 
 
-def _default_backend(chosen: str | None, backend: str, per_node: int, gpus: list[int],
-                     warnings: list[str]) -> str:
-    """The backend where the user chose none: gloo when ranks must share GPUs, since NCCL cannot
-    put two ranks on one GPU (one GPU and ``--ranks 2`` is the common workstation). Said once, in
-    the first cell. A backend the user chose is kept, and checked by the caller."""
-    if chosen is None and backend == "nccl" and per_node > len(gpus):
-        warnings.append(f"backend gloo, not nccl: {per_node} ranks on {len(gpus)} GPU(s) must share them, and "
-                        "NCCL cannot put two ranks on one GPU. For nccl, use one rank per GPU "
-                        f"(--ranks {len(gpus)}); pass --backend gloo to choose gloo yourself and drop this line.")
-        return "gloo"
-    return backend
+def _given_int(value: Mapping[str, object], name: str) -> int | None:
+    """A whole-number option's parsed value; None when it was not given."""
+    v = value[name]
+    assert v is None or isinstance(v, int), (name, v)
+    return v
 
 
-def shared_gpu_warning(per_node: int, gpus: int, where: str = "") -> str:
-    """What ranks that share GPUs over gloo mean for the user's code, with what to do."""
-    # seen on an H100 at 2 ranks: accelerate's DistributedDataParallel gets device_ids=[LOCAL_RANK],
-    # and rank 1 fails in the first forward pass with IndexError, as it does under torchrun
-    return (f"{per_node} ranks share {gpus} GPU(s){where} over gloo. Code that puts rank LOCAL_RANK on GPU "
-            "LOCAL_RANK fails on the ranks past the last GPU: accelerate and Transformers' Trainer do "
-            "(IndexError in the first forward pass). With them, use one rank per GPU "
-            f"({'--ranks-per-node' if where else '--ranks'} {gpus}), or train on CPU: Accelerator(cpu=True), "
-            "TrainingArguments(use_cpu=True). Plain DDP on `device` works as it is.")
+@dataclass(frozen=True)
+class _RankCounts:
+    """The rank counts as given (None: not given), and ``--nodes`` with its default."""
+
+    ranks: int | None
+    per_node: int | None
+    nodes: int | None
+    nodes_or_default: int
+
+
+def _local_layout(counts: _RankCounts, gpus: list[int]) -> tuple[int, int]:
+    """(nodes, ranks per node) for ranks on this machine: one node, whose ranks are the world."""
+    if counts.nodes is not None and counts.nodes != 1:
+        raise ConfigError(
+            f"--nodes {counts.nodes} needs ranks on other machines; use --launcher slurm or ssh "
+            f"(the local launcher runs every rank on this machine). {FIX_HINT}")
+    if counts.per_node is not None and counts.ranks is not None and counts.per_node != counts.ranks:
+        raise ConfigError(
+            f"--ranks-per-node {counts.per_node} differs from --ranks {counts.ranks}; with the local "
+            f"launcher there is one node, so give only --ranks. {FIX_HINT}")
+    return 1, counts.ranks or counts.per_node or (len(gpus) if gpus else 2)
+
+
+def _remote_layout(counts: _RankCounts, launcher: str, hosts: tuple[str, ...],
+                   gpus: list[int]) -> tuple[int, int]:
+    """(nodes, ranks per node) for ranks on other machines: ssh has one node per host."""
+    if launcher == "ssh":
+        if counts.nodes is not None and counts.nodes != len(hosts):
+            raise ConfigError(
+                f"--nodes {counts.nodes} does not match the {len(hosts)} host(s) in --hosts "
+                f"({','.join(hosts)}); with --launcher ssh each host is one node, so drop --nodes "
+                f"or list {counts.nodes} hosts. {FIX_HINT}")
+        nodes = len(hosts)
+    else:
+        nodes = counts.nodes_or_default
+    if counts.per_node is not None:
+        if counts.ranks is not None and counts.ranks != nodes * counts.per_node:
+            raise ConfigError(
+                f"--ranks {counts.ranks} is not --nodes {nodes} x --ranks-per-node {counts.per_node} "
+                f"= {nodes * counts.per_node}; give only --nodes and --ranks-per-node. {FIX_HINT}")
+        return nodes, counts.per_node
+    if counts.ranks is not None:
+        if counts.ranks % nodes:
+            raise ConfigError(
+                f"--ranks {counts.ranks} cannot be split evenly over {nodes} nodes; give "
+                f"--ranks-per-node instead (ranks = nodes x ranks per node). {FIX_HINT}")
+        return nodes, counts.ranks // nodes
+    return nodes, len(gpus) if gpus else 1
 
 
 def _parse(option: Option, text: str, ns: argparse.Namespace) -> object:
@@ -461,46 +405,6 @@ def _parse(option: Option, text: str, ns: argparse.Namespace) -> object:
         if getattr(ns, option.name, None) in (None, ""):
             raise ConfigError(f"{option.env}={text!r} in the kernel's environment: {e}") from None
         raise
-
-
-def _gpu_list(raw: str | None, where: str) -> list[int] | None:
-    """--gpus as ids; None when not given, [] for ``none``/``cpu``; an error names ``where``."""
-    if raw in (None, ""):
-        return None
-    text = str(raw).strip()
-    if text.lower() in ("none", "cpu"):
-        return []
-    try:
-        gpus = [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        gpus = [-1]
-    if not gpus or any(g < 0 for g in gpus):
-        raise ConfigError(f"--gpus {text!r} must be a comma list of GPU ids{where} like 0,1. {FIX_HINT}")
-    if len(set(gpus)) != len(gpus):
-        raise ConfigError(f"--gpus {text} lists a GPU twice. {FIX_HINT}")
-    return gpus
-
-
-def _local_gpus(raw: str | None, gpus_avail: list[int]) -> list[int]:
-    """--gpus for ranks on this machine: checked against the GPUs this machine shows."""
-    gpus = _gpu_list(raw, "")
-    if gpus is None:
-        return list(gpus_avail)
-    missing = [g for g in gpus if g not in gpus_avail]
-    if missing:
-        have = ", ".join(map(str, gpus_avail)) or "none"
-        raise ConfigError(
-            f"--gpus {str(raw).strip()}: GPU {', '.join(map(str, missing))} does not exist on this machine "
-            f"(visible GPUs: {have}). {FIX_HINT}")
-    return gpus
-
-
-def _remote_gpus(raw: str | None) -> list[int]:
-    """--gpus for ranks on other machines: ids on each node, which this machine cannot check.
-
-    Without --gpus the ranks use the CPU: the parent cannot see the nodes' GPUs.
-    """
-    return _gpu_list(raw, " on each node") or []
 
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_][A-Za-z0-9_-]{0,62})*\.?$")

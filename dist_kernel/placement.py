@@ -16,6 +16,13 @@ def rank_of(node: int, local_rank: int, ranks_per_node: int) -> int:
     return node * ranks_per_node + local_rank
 
 
+def cuda_index(local_rank: int, gpus: int) -> int:
+    """The CUDA device a rank uses among the ``gpus`` it sees: its local rank, wrapped round when
+    a node has more ranks than GPUs (they share them, over gloo). The rank pins it; the parent
+    says it (``KernelConfig.device_for``)."""
+    return local_rank % gpus
+
+
 def rank_env(base: dict[str, str], *, rank: int, ranks_per_node: int, world_size: int,
              master_addr: str, master_port: int | None, runtime_dir: str, parent_pid: int,
              gpus: tuple[int, ...] | list[int], ifname: str | None, cpu_count: int | None = None,

@@ -2,7 +2,7 @@
 
 The parent runs cells on a rank with plain Jupyter ``execute_request``s. Everything else it
 needs from a rank (join or re-form the process group, "where is the cell?", status, tear the
-group down, switch cache freeing or the fastai integration) is one typed request below,
+group down, switch cache freeing or a library integration) is one typed request below,
 sent on the rank kernel's **control** channel as a ``dist_request`` message and answered
 with one ``dist_reply``. The control channel has its own thread in every ipykernel, so a
 rank answers while its shell runs a long cell or is blocked in a C++ collective.
@@ -16,7 +16,8 @@ Wire format (the ``content`` of the Jupyter message; HMAC-signed like every Jupy
 Both sides validate on receipt (:func:`parse_request`, :func:`parse_reply`): an unknown op,
 a missing or extra field, or a field of the wrong type is a :class:`ProtocolError`; the rank
 answers it with an error reply and keeps working. Nothing here is code: no field is ever
-executed or unpickled. This module imports nothing heavy; both sides import it.
+executed or unpickled. This module imports nothing heavy (the options, for the names of the
+rank switches, are the standard library's); both sides import it.
 
 Plain Jupyter messages carry a little of dist_kernel in their metadata, always under one key
 (``metadata["dist_kernel"]``, :data:`META`), with the fields declared below (``META_*``).
@@ -27,8 +28,10 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
+
+from dist_kernel.options import RANK_SWITCHES
 
 VERSION = 1
 REQUEST = "dist_request"
@@ -88,8 +91,8 @@ class Request:
 class Join(Request):
     """Form (or re-form) the process group and define ``rank``, ``world_size``, ``local_rank``,
     ``device`` in the user's namespace. The first formation (``first``) also seeds every rank
-    alike, installs the fastai integration when ``fastai`` is on and sets cache freeing
-    (``empty_cache``; ``%dist_empty_cache`` switches it later). Runs on the rank's main
+    alike and sets the rank switches (``switches``: cache freeing, which ``%dist_empty_cache``
+    switches later, and the library integrations, installed when on). Runs on the rank's main
     thread (CUDA's current device is per thread); answered when the group has formed."""
 
     op: ClassVar[str] = "join"
@@ -104,10 +107,9 @@ class Join(Request):
     use_cuda: bool
     first: bool
     seed: int | None = None
-    fastai: bool = False
-    empty_cache: bool = True
-    lightning: bool = False  # install the Lightning integration (first formation)
-    hf: bool = False  # the Hugging Face integration (accelerate, Transformers)
+    #: the first formation: each rank switch on or off (:data:`RANK_SWITCHES`); one left out
+    #: takes its option's default (later formations keep what ``set_option`` chose)
+    switches: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -139,9 +141,9 @@ class Teardown(Request):
 
 @dataclass(frozen=True)
 class SetOption(Request):
-    """Switch a rank-side behaviour at run time: ``empty_cache`` (free the CUDA cache after
-    each cell), ``fastai``, ``lightning`` or ``hf`` (those integrations; ``hf`` is accelerate
-    and Transformers)."""
+    """Switch a rank-side behaviour at run time: one of :data:`RANK_SWITCHES`, the options
+    declared ``rank_switch`` (``empty_cache``, free the CUDA cache after each cell; ``fastai``,
+    ``lightning``, ``hf``: those integrations, ``hf`` being accelerate and Transformers)."""
 
     op: ClassVar[str] = "set_option"
     name: str
@@ -150,7 +152,6 @@ class SetOption(Request):
 
 #: every request, by op
 REQUESTS: dict[str, type[Request]] = {c.op: c for c in (Join, Where, Status, Teardown, SetOption)}
-OPTION_NAMES = ("empty_cache", "fastai", "lightning", "hf")
 
 
 # ---------------------------------------------------------------------- replies
@@ -256,8 +257,10 @@ def parse_request(content: Any) -> Request:
     if cls is None:
         raise ProtocolError(f"unknown op {op!r}; known: {', '.join(REQUESTS)}")
     req = _build(cls, content["args"])
-    if isinstance(req, SetOption) and req.name not in OPTION_NAMES:
-        raise ProtocolError(f"set_option: unknown option {req.name!r}; known: {', '.join(OPTION_NAMES)}")
+    names = [req.name] if isinstance(req, SetOption) else list(req.switches) if isinstance(req, Join) else []
+    unknown = [n for n in names if n not in RANK_SWITCHES]
+    if unknown:
+        raise ProtocolError(f"{op}: unknown option {unknown[0]!r}; known: {', '.join(RANK_SWITCHES)}")
     return req
 
 
@@ -320,6 +323,9 @@ def _is(value: Any, hint: Any) -> bool:
     if origin is list:
         (item,) = typing.get_args(hint)
         return isinstance(value, list) and all(_is(v, item) for v in value)
+    if origin is dict:
+        key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(_is(k, key) and _is(v, item) for k, v in value.items())
     if hint is float:  # JSON has one number type
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:

@@ -3,7 +3,9 @@
 ``python -m dist_kernel run`` shows each cell's output live, as it arrives (already merged
 across ranks by the kernel): stream text as is, rich outputs as their text/plain, on stdout
 and stderr as the notebook has them; the cell's place and time go to stderr, so stdout holds
-only the notebook's output.
+only the notebook's output. On a terminal, ``%dist_top``'s table of the ranks (state, load, line)
+is a live status under the running cell's output (:mod:`dist_kernel.statusline`), left out of the
+saved notebook.
 
 SIGINT (Ctrl-C) or SIGTERM (``timeout``, a batch system ending the job) stops the run: the
 running cell is abandoned, the kernel and its ranks are shut down, and the exit status is
@@ -29,7 +31,7 @@ from jupyter_client.asynchronous import AsyncKernelClient
 from jupyter_client.channels import AsyncZMQSocketChannel
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_core.paths import jupyter_runtime_dir
-from jupyter_core.utils import run_sync
+from jupyter_core.utils import ensure_async, run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 from traitlets import Type
@@ -37,6 +39,7 @@ from traitlets import Type
 from dist_kernel.cleanup import SOCKET_PATH_MAX, make_runtime_dir, owner_pid
 from dist_kernel.kernelspec import kernel_json
 from dist_kernel.parent.merge import strip_ansi
+from dist_kernel.statusline import StatusLine, is_top
 
 KM = TypeVar("KM", KernelManager, AsyncKernelManager)
 
@@ -103,12 +106,16 @@ def _write(stream: TextIO, text: str) -> None:
 class _LiveClient(NotebookClient):
     """A NotebookClient that shows every output as it arrives, between per-cell headers."""
 
-    def __init__(self, nb: nbformat.NotebookNode, **kw: Any) -> None:
+    def __init__(self, nb: nbformat.NotebookNode, live: bool = False, **kw: Any) -> None:
         super().__init__(nb, on_cell_execute=self._cell_starts, on_cell_executed=self._cell_ends, **kw)
         self.current: int | None = None  # the index of the cell running now
         self.stopped_by: int | None = None  # the signal that stopped the run
         self._t0 = 0.0
         self._ends_with_newline = True
+        #: the ranks' live status under the output (stdout is a terminal); %dist_top is turned on
+        #: before the first cell
+        self.status = StatusLine(sys.stdout) if live else None
+        self._top_asked = False
 
     def _arm_signals(self) -> None:
         """Make SIGINT and SIGTERM stop the run, in place of the handler nbclient sets up when
@@ -132,15 +139,40 @@ class _LiveClient(NotebookClient):
         return f"cell {cell_index + 1}/{len(self.nb.cells)}"
 
     def _rule(self, text: str) -> None:
+        if self.status is not None:
+            self.status.reset()  # a rule starts or ends a cell: the status is the running cell's
         sys.stdout.flush()
         # the rule starts a line of its own even when the cell's last output did not end one
         _write(sys.stderr, ("" if self._ends_with_newline else "\n") + f"── {text} ──\n")
         self._ends_with_newline = True
 
-    def _cell_starts(self, cell: nbformat.NotebookNode, cell_index: int) -> None:
+    async def _cell_starts(self, cell: nbformat.NotebookNode, cell_index: int) -> None:
         self._arm_signals()
         self.current, self._t0 = cell_index, time.monotonic()
         self._rule(self._place(cell_index))
+        if self.status is not None and not self._top_asked:
+            self._top_asked = True
+            await self._ask_top()
+
+    async def _ask_top(self) -> None:
+        """``%dist_top``, as a silent request before the first cell. It waits for the ranks to
+        start, so what the kernel says meanwhile (a Slurm queue) is shown as the cell's would be."""
+        assert self.kc is not None
+        msg_id = self.kc.execute("%dist_top", silent=True, store_history=False)
+        while True:
+            try:
+                msg = await ensure_async(self.kc.iopub_channel.get_msg(timeout=1))
+            except Exception:  # noqa: BLE001 - queue.Empty: nothing yet; give up if the kernel died
+                if self.km is None or not await ensure_async(self.km.is_alive()):
+                    return
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
+                break
+            if msg["msg_type"] == "stream" and not msg["content"].get("text", "").startswith("dist_top:"):
+                self._show(msg)  # the kernel's notes while the ranks start; an error shows with the cell
+        await self.async_wait_for_reply(msg_id)
 
     def _cell_ends(self, cell: nbformat.NotebookNode, cell_index: int,
                    execute_reply: dict) -> None:
@@ -149,6 +181,9 @@ class _LiveClient(NotebookClient):
                    f"{time.monotonic() - self._t0:.1f}s")
 
     def process_message(self, msg: dict, cell: nbformat.NotebookNode, cell_index: int) -> Any:
+        if self.status is not None and is_top(msg):  # the live status, not an output of the cell
+            self.status.update(msg["content"].get("data", {}).get("text/plain", ""), self._ends_with_newline)
+            return None
         self._show(msg)
         return super().process_message(msg, cell, cell_index)
 
@@ -166,10 +201,14 @@ class _LiveClient(NotebookClient):
         else:
             return
         if text:
+            if self.status is not None:
+                self.status.clear()
             if stream is sys.stderr:
                 sys.stdout.flush()
             _write(stream, text)
             self._ends_with_newline = text.endswith("\n")
+            if self.status is not None and self._ends_with_newline:
+                self.status.draw()
 
 
 def run_notebook(path: str, options: list[str], output: str | None = None,
@@ -180,7 +219,7 @@ def run_notebook(path: str, options: list[str], output: str | None = None,
     # async: nbclient waits for the kernel on a running event loop, where it notices a dead
     # kernel and our signals; a blocking client waits in zmq, forever if the kernel is gone
     km = kernel_manager(options, AsyncKernelManager)
-    client = _LiveClient(nb, km=km, timeout=cell_timeout,
+    client = _LiveClient(nb, km=km, timeout=cell_timeout, live=sys.stdout.isatty(),
                          resources={"metadata": {"path": str(Path(path).resolve().parent)}})
     status = 0
     try:

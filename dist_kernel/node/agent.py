@@ -34,6 +34,7 @@ import time
 import zmq
 
 from dist_kernel import tunnel
+from dist_kernel.load import LoadSampler, gpu_target
 from dist_kernel.placement import rank_env, rank_of
 from dist_kernel.processes import file_tail, proc_state
 
@@ -99,6 +100,10 @@ class NodeAgent:
         self.stdin_closed = threading.Event()
         self.last_heard = time.monotonic()
         self.ending = ""
+        #: the parent's beats ask for the ranks' load while a cell runs with %dist_top on; only then
+        #: is anything sampled (psutil and NVML from here, never inside the ranks)
+        self.sampling = False
+        self.sampler: LoadSampler | None = None
 
     # ---------------------------------------------------------------- start
     def connect(self) -> None:
@@ -216,10 +221,19 @@ class NodeAgent:
         for rank, child in self.ranks.items():
             code = child.proc.poll()
             states[str(rank)] = {"pid": child.proc.pid, "state": child.state(), "exit": code}
+            if self.sampling and code is None:
+                states[str(rank)]["load"] = self.load(rank, child.proc.pid)
             if code is not None and not child.reported:
                 child.reported = True
                 self.send_ctl({"type": "exited", "rank": rank, "code": code, "log": child.log_tail()})
         self.send_ctl({"type": "beat", "ranks": states})
+
+    def load(self, rank: int, pid: int) -> dict:
+        """One rank's load sample (dist_kernel.load), its GPU named as this node sees it."""
+        if self.sampler is None:
+            self.sampler = LoadSampler()
+        local = rank % self.boot.ranks_per_node
+        return self.sampler.sample(pid, gpu_target(self.boot.gpus, local, os.environ.get("CUDA_VISIBLE_DEVICES")))
 
     def from_parent(self, frames: list[bytes]) -> None:
         self.last_heard = time.monotonic()
@@ -245,6 +259,8 @@ class NodeAgent:
                 child.signal(int(event["signum"]))
         elif event["type"] == "stop":
             self.ending = "the parent asked it to stop"
+        elif event["type"] == "beat":
+            self.sampling = bool(event.get("sample"))
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:

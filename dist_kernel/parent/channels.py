@@ -320,9 +320,11 @@ class RankChannel:
         parts = [session.pack(header), b"{}", session.pack(metadata or {}), session.pack(content)]
         self.wire.send(channel, [DELIM, session.sign(parts), *parts, *(buffers or ())])
 
-    async def shell_request(self, msg_type: str, content: dict, timeout: float = 10.0) -> dict:
-        """Round trip of one shell request (completion, inspection, ...); the reply content."""
-        msg_id, fut = self.send(msg_type, content)
+    async def shell_request(self, msg_type: str, content: dict, timeout: float = 10.0,
+                            channel: str = "shell") -> dict:
+        """Round trip of one shell request (completion, inspection, ...), or of a control one
+        (``debug_request``); the reply content."""
+        msg_id, fut = self.send(msg_type, content, channel=channel)
         assert fut is not None  # expect_reply: a future for the reply
         try:
             return (await asyncio.wait_for(fut, timeout))["content"]

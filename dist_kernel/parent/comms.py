@@ -13,7 +13,7 @@ the same way is one comm with the same id on each of them: the frontend sees one
   opened by one rank only (a widget that differs between ranks) has that rank alone as owner.
 - **Frontend to rank.** A message for a comm goes to every rank that owns it, so moving a shared
   slider changes the value on every rank; a comm the frontend opens goes to rank 0. What the
-  owners' callbacks print is merged as a cell's output is (:class:`CellRun` without sending).
+  owners' callbacks print is merged as a cell's output is (an ``OutputRelay``, which sends nothing).
 
 One translation is needed: an ipywidgets ``Output`` widget captures output by message id.
 Its state holds the ``msg_id`` of the request it captures for, and the frontend routes into
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from dist_kernel.exceptions import RankDiedError
 from dist_kernel.parent.merge import label_lines, unmarked
+from dist_kernel.parent.merge.captures import sets_capture
 from dist_kernel.protocol import META_CELL, with_meta
 
 if TYPE_CHECKING:
@@ -49,8 +50,8 @@ Publish = Callable[[dict, str, dict, "dict | None", "list | None"], None]
 
 
 class CallbackRun(Protocol):
-    """What merges the output of one frontend comm message on several ranks (a ``CellRun``
-    that sends nothing)."""
+    """What merges the output of one frontend comm message on several ranks
+    (:class:`~dist_kernel.parent.relay.OutputRelay`, which sends nothing)."""
 
     def on_iopub(self, rank: int, msg: dict) -> None: ...
     def on_reply(self, rank: int, content: dict, metadata: dict | None = None) -> None: ...
@@ -84,10 +85,6 @@ class CommRouter:
         """The ranks a frontend message for ``comm_id`` goes to (rank 0 for a comm nobody opened)."""
         return list(self.owners.get(comm_id or "", [0]))
 
-    def rank_for(self, comm_id: str | None) -> int:
-        """The rank that leads ``comm_id``."""
-        return self.ranks_for(comm_id)[0]
-
     def from_rank(self, msg_type: str, content: dict, rank: int) -> dict | None:
         """A comm message of ``rank``, ready for the frontend; None when the frontend must not
         get it (another rank opened the same comm first, and leads it)."""
@@ -107,7 +104,9 @@ class CommRouter:
                     if not self._closing[comm_id]:
                         del self._closing[comm_id]
                 return None
-            elif owners is not None and rank in owners and owners[0] != rank:
+            elif owners is not None and rank in owners and owners[0] != rank and not sets_capture(msg_type, content):
+                # an Output widget's capture is relayed from whichever owner enters `with out:`
+                # (the cell's merger sends each start and stop once)
                 if msg_type == "comm_close":
                     owners.remove(rank)
                 return None

@@ -43,18 +43,23 @@ each busy rank waits, the time) and gets back a decision. The rules:
    (SIGTERM), then a rank that was terminated (scancel signals every process of the step); the
    earliest within a kind.
    The ranks on every node are then stopped.
+7. **A rank at a breakpoint** (JupyterLab's debugger, ``%dist_debug``): while the debugged rank
+   is stopped there, the others wait for it as they would under a debugger in torchrun; the
+   kernel does not look, judge or call anyone stuck until it goes on, a rank dies or stop is
+   pressed.
 
 A legitimate long collective that every rank is in, and a long computation, are never cut.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal, TypeAlias
 
 from dist_kernel.exceptions import CollectiveHangError, RankDiedError
 from dist_kernel.parent.magics import format_ranks
+from dist_kernel.protocol import Place
 
 #: after a finished rank failed, or after an interrupt, how long others may stay busy
 FAST_GRACE = 1.0
@@ -70,29 +75,15 @@ P2P = ("send", "recv", "isend", "irecv")
 Action = Literal["wait", "stop", "teardown", "abandon"]
 
 
-@dataclass(frozen=True)
-class Seen:
-    """What a look at one busy rank found (from its ``where`` reply; ``answered`` False when
-    it did not answer in time)."""
+#: what a look found of one busy rank: its ``where`` reply (:class:`~dist_kernel.protocol.Place`,
+#: the one description of where a rank is), None when it did not answer in time
+Seen: TypeAlias = "Place | None"
 
-    answered: bool
-    collective: str | None = None
-    group_ranks: tuple[int, ...] = ()
-    peer: int | None = None
-    seq: int | None = None
-    line: str = ""
-    store_wait: bool = False  # in group creation (``new_group``), waiting in the rendezvous store
-    in_code: bool = True  # the cell's code runs; False: it ended and the rank only reports (a traceback)
-    #: how many collectives its default group has started (None: no group, or torch does not say)
-    group_seq: int | None = None
-    in_backward: bool = False  # in autograd's backward pass (C++), where DDP starts its all_reduce
-    #: the torch call it is in, when its innermost Python frame is torch's distributed code (so it
-    #: is in a C++ call that may be a collective: ``DistributedDataParallel(...) / ...``); "" if not
-    native: str = ""
 
-    @property
-    def blocked(self) -> bool:
-        return self.answered and self.collective is not None
+def _judged(seen: Seen) -> Seen:
+    """What the rules read of a look (its ``stack`` is only shown; ``busy`` is known otherwise):
+    a rank is "steady" while this stays the same from look to look."""
+    return None if seen is None else replace(seen, stack=[], busy=True)
 
 
 @dataclass(frozen=True)
@@ -111,10 +102,17 @@ class Cell:
     torn_down: bool = False  # the group was torn down during this cell
     #: idle ranks' default-group collective counts, as a look found them
     idle_seqs: dict[int, int] = field(default_factory=dict)
+    #: ranks stopped at a breakpoint of JupyterLab's debugger (rule 7)
+    debug_stopped: tuple[int, ...] = ()
 
     @property
     def idle(self) -> tuple[int, ...]:
         return tuple(r for r in self.world if r not in self.busy and r not in self.dead)
+
+    @property
+    def at_breakpoint(self) -> bool:
+        """A rank is stopped at a breakpoint, nothing died and nobody pressed stop (rule 7)."""
+        return bool(self.debug_stopped) and not self.dead and self.interrupted_at is None
 
 
 @dataclass(frozen=True)
@@ -132,7 +130,7 @@ WAIT = Verdict("wait")
 
 def look_due(cell: Cell, now: float, last_look: float | None) -> bool:
     """Is it time to ask the busy ranks where they are?"""
-    if not cell.busy:
+    if not cell.busy or cell.at_breakpoint:
         return False
     if cell.interrupted_at is not None:
         return now - cell.interrupted_at >= FAST_GRACE and _spaced(now, last_look, FAST_GRACE)
@@ -158,43 +156,45 @@ class Judge:
     def __init__(self) -> None:
         self._since: dict[int, tuple[Seen, float]] = {}  # rank -> (what it was seen doing, since when)
 
-    def silent(self, seen: dict[int, Seen]) -> list[int]:
+    def silent(self, seen: Mapping[int, Seen]) -> list[int]:
         """Ranks that answered neither this look nor the one before (call before :meth:`judge`):
         only those may be stuck holding the GIL. One missed answer is a loaded machine."""
-        return [r for r, s in seen.items() if not s.answered and r in self._since and not self._since[r][0].answered]
+        return [r for r, s in seen.items() if s is None and r in self._since and self._since[r][0] is None]
 
-    def judge(self, cell: Cell, seen: dict[int, Seen], now: float) -> Verdict:
+    def judge(self, cell: Cell, seen: Mapping[int, Seen], now: float) -> Verdict:
         for rank, s in seen.items():
             prev = self._since.get(rank)
-            if prev is None or prev[0] != s:
-                self._since[rank] = (s, now)
+            if prev is None or prev[0] != _judged(s):
+                self._since[rank] = (_judged(s), now)
+        # the rules read the ranks that answered; one that did not is never judged stuck
+        found = {r: p for r, p in seen.items() if p is not None}
         busy = [r for r in cell.busy if r not in cell.dead]
         if cell.dead and busy:
-            return self._dead_peer(cell, busy, seen, now)
+            return self._dead_peer(cell, busy, found, now)
         if cell.interrupted_at is not None:
-            return self._after_interrupt(cell, busy, seen, now)
-        if cell.torn_down:
+            return self._after_interrupt(cell, busy, found, now)
+        if cell.torn_down or cell.at_breakpoint:
             return WAIT
         if cell.idle:
-            return self._waiting_for_idle(cell, busy, seen)
-        return self._mismatched(cell, busy, seen, now)
+            return self._waiting_for_idle(cell, busy, found)
+        return self._mismatched(cell, busy, found, now)
 
     # ---------------------------------------------------------------- rules
-    def _dead_peer(self, cell: Cell, busy: list[int], seen: dict[int, Seen], now: float) -> Verdict:
+    def _dead_peer(self, cell: Cell, busy: list[int], found: dict[int, Place], now: float) -> Verdict:
         dead = format_ranks(cell.dead)
         stuck = {}
         for r in busy:
-            s = seen.get(r)
-            where = f" while waiting in torch.distributed.{s.collective}()" if s and s.blocked else ""
+            s = found.get(r)
+            where = f" while waiting in torch.distributed.{s.collective}()" if s is not None and _blocked(s) else ""
             stuck[r] = f"rank {r} was stopped{where}: rank {dead} died"
         return Verdict("stop", stuck, ename=RankDiedError.__name__)
 
-    def _after_interrupt(self, cell: Cell, busy: list[int], seen: dict[int, Seen], now: float) -> Verdict:
+    def _after_interrupt(self, cell: Cell, busy: list[int], found: dict[int, Place], now: float) -> Verdict:
         assert cell.interrupted_at is not None
         if now - cell.interrupted_at >= GIVE_UP_AFTER:
             # a rank whose code stopped and that is only showing its traceback is waited for
             late = now - cell.interrupted_at >= REPORT_WITHIN
-            running = [r for r in busy if late or not (r in seen and seen[r].answered and not seen[r].in_code)]
+            running = [r for r in busy if late or not (r in found and not found[r].in_code)]
             if not running:
                 return WAIT
             return Verdict("abandon", {r: f"rank {r} did not stop after the interrupt; it may still be "
@@ -203,42 +203,42 @@ class Judge:
         if cell.torn_down:
             return WAIT
         if cell.idle:  # the interrupt ended some ranks' cells: the others now wait for them
-            verdict = self._waiting_for_idle(cell, busy, seen)
+            verdict = self._waiting_for_idle(cell, busy, found)
             if verdict.action != "wait":  # one KeyboardInterrupt, not a hang the stop caused
-                return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(seen[r])}"
+                return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(found[r])}"
                                             for r in verdict.stuck}, teardown_on=verdict.teardown_on,
                                ename="KeyboardInterrupt")
         # a rank still in a C++ call of torch's distributed code a second after SIGINT did not
         # react to it either (a collective on a group whose count says nothing, say a subgroup's)
-        blocked = [r for r in busy if r in seen and (seen[r].blocked or (seen[r].answered and seen[r].native))]
+        blocked = [r for r in busy if r in found and (_blocked(found[r]) or found[r].native)]
         if blocked:
-            return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(seen[r])}"
+            return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(found[r])}"
                                        for r in blocked},
                            teardown_on=tuple(r for r in cell.world if r not in cell.dead),
                            ename=KeyboardInterrupt.__name__)
         return WAIT
 
-    def _waiting_for_idle(self, cell: Cell, busy: list[int], seen: dict[int, Seen]) -> Verdict:
+    def _waiting_for_idle(self, cell: Cell, busy: list[int], found: dict[int, Place]) -> Verdict:
         idle = set(cell.idle)
-        ahead = {r: _behind(cell, seen[r]) for r in busy if r in seen}
-        if not busy or any(not (r in seen and (seen[r].blocked or ahead[r])) for r in busy):
+        ahead = {r: _behind(cell, found[r]) for r in busy if r in found}
+        if not busy or any(not (r in found and (_blocked(found[r]) or ahead[r])) for r in busy):
             return WAIT  # someone still computes (or did not answer): it may yet finish
-        waiting = {r: sorted(idle & set(seen[r].group_ranks or cell.world)) if seen[r].blocked else ahead[r]
+        waiting = {r: sorted(idle & set(found[r].group_ranks or cell.world)) if _blocked(found[r]) else ahead[r]
                    for r in busy}
         if not any(waiting.values()):
             return WAIT
-        stuck = {r: f"rank {r} was blocked in {_blocked_in(seen[r])}, which rank "
+        stuck = {r: f"rank {r} was blocked in {_blocked_in(found[r])}, which rank "
                     f"{format_ranks(waiting[r] or sorted(idle))} never entered "
                     f"(idle: finished or not selected by %%rank)" for r in busy}
         # the idle ranks' teardown frees ranks blocked in a collective with them; a rank waiting
         # in the rendezvous store (group creation) is freed by its own
-        in_store = {r for r in busy if seen[r].store_wait}
+        in_store = {r for r in busy if found[r].store_wait}
         return Verdict("teardown", stuck, teardown_on=tuple(sorted(idle | in_store)))
 
-    def _mismatched(self, cell: Cell, busy: list[int], seen: dict[int, Seen], now: float) -> Verdict:
-        if not busy or any(not (r in seen and seen[r].blocked) for r in busy):
+    def _mismatched(self, cell: Cell, busy: list[int], found: dict[int, Place], now: float) -> Verdict:
+        if not busy or any(not (r in found and _blocked(found[r])) for r in busy):
             return WAIT
-        places = {r: seen[r] for r in busy}
+        places = {r: found[r] for r in busy}
         if _can_complete(places):
             return WAIT
         steady = min(now - self._since[r][1] for r in busy)
@@ -315,18 +315,23 @@ def remote_culprit(causes: Iterable[RemoteCause]) -> RemoteCause:
     return min(heard, key=lambda c: (_REMOTE_ORDER.index(c.kind), heard.index(c)))
 
 
-def _behind(cell: Cell, s: Seen) -> list[int]:
+def _blocked(s: Place) -> bool:
+    """Is the rank in a torch.distributed call?"""
+    return s.collective is not None
+
+
+def _behind(cell: Cell, s: Place) -> list[int]:
     """The idle ranks whose default group started fewer collectives than this busy rank's, which
     is in ``backward()`` or in a C++ call of torch's distributed code (of those, the members of
     the call's group): it started one they never entered, and cannot finish it while they are
     idle."""
-    if not s.answered or s.group_seq is None or not (s.in_backward or s.native):
+    if s.group_seq is None or not (s.in_backward or s.native):
         return []
     members = set(s.group_ranks) if s.native and not s.in_backward and s.group_ranks else set(cell.idle)
     return sorted(r for r, seq in cell.idle_seqs.items() if r in cell.idle and r in members and seq < s.group_seq)
 
 
-def _blocked_in(s: Seen) -> str:
+def _blocked_in(s: Place) -> str:
     """Where a blocked rank waits, in words."""
     if s.collective is None and s.native and not s.in_backward:  # ahead of an idle rank (rule 2)
         return f"{s.native} (a collective that torch started in C++)"
@@ -338,7 +343,7 @@ def _blocked_in(s: Seen) -> str:
     return f"torch.distributed.{s.collective}()"
 
 
-def _call(s: Seen) -> str:
+def _call(s: Place) -> str:
     extra = []
     if s.peer is not None:
         extra.append(("src=" if s.collective in ("recv", "irecv") else "dst=") + str(s.peer))
@@ -347,7 +352,7 @@ def _call(s: Seen) -> str:
     return f"{s.collective}({', '.join(extra)})"
 
 
-def _can_complete(places: dict[int, Seen]) -> bool:
+def _can_complete(places: dict[int, Place]) -> bool:
     """Could the calls these ranks are blocked in complete each other?"""
     p2p = {r: s for r, s in places.items() if s.collective in P2P}
     coll = {r: s for r, s in places.items() if s.collective not in P2P}
@@ -357,7 +362,7 @@ def _can_complete(places: dict[int, Seen]) -> bool:
         if other is None or other.peer != r or (other.collective in ("send", "isend")) == sending:
             return False
     if coll:
-        kinds = {(s.collective, s.group_ranks, s.seq) for s in coll.values()}
+        kinds = {(s.collective, tuple(s.group_ranks), s.seq) for s in coll.values()}
         if len(kinds) != 1:
             return False
         (_, group, _), = kinds

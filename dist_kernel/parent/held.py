@@ -3,12 +3,16 @@
 ipykernel publishes ``busy`` (and then ``execute_input``) before it calls ``do_execute``. The
 parent holds both until the cell's requests are sent, so the ranks start sooner; they go out
 the moment anything else is published for the cell, so nothing ever precedes them.
+
+Also here: when the frontend sent a request (its header's date), which tells the stop button
+meant for a cell from one pressed before that cell was sent.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import datetime
 
 
 class HeldBusy:
@@ -48,3 +52,19 @@ class HeldBusy:
                 self._publish_busy(busy)
             if given is not None:
                 self._publish_input(*given)
+
+
+def sent_at(msg: dict) -> datetime | None:
+    """When the frontend sent a request (its header's date), if it says."""
+    date = msg.get("header", {}).get("date")
+    return date if isinstance(date, datetime) else None
+
+
+def pressed_before(pressed: datetime | None, request: dict) -> bool:
+    """Was the stop button pressed before the frontend sent ``request``? (Both dates are the
+    frontend's own clock; unknown dates count as not before.)"""
+    sent = sent_at(request)
+    try:
+        return pressed is not None and sent is not None and pressed < sent
+    except TypeError:  # one naive, one aware
+        return False

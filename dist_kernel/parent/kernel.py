@@ -13,62 +13,40 @@ import contextlib
 import signal
 import sys
 import threading
-import time
 from datetime import datetime
 from typing import Any
 
-import psutil
-import zmq
 from ipykernel.kernelbase import Kernel
 from jupyter_client.session import Session
 from traitlets import Any as AnyTrait
-from zmq.eventloop.zmqstream import ZMQStream
 
 from dist_kernel import __version__
 from dist_kernel.exceptions import (
     ConfigError,
-    RankDiedError,
-    RankRequestError,
     RankSpecError,
-    RankStartError,
-    UsageError,
     error_content,
 )
-from dist_kernel.iopub import UnboundedIOPubApp
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.channels import pending
-from dist_kernel.parent.comms import CommRouter
-from dist_kernel.parent.execution import CellRun, GroupState
-from dist_kernel.parent.held import HeldBusy
-from dist_kernel.parent.magics import format_ranks, plan_cell
+from dist_kernel.parent.comms import COMM_TYPES, CommRouter
+from dist_kernel.parent.debugger import DebugSession, debugpy_available
+from dist_kernel.parent.execution import CellRun, CellSpec, GroupState
+from dist_kernel.parent.held import HeldBusy, pressed_before, sent_at
+from dist_kernel.parent.magics import plan_cell
 from dist_kernel.parent.merge import DisplayRegistry
+from dist_kernel.parent.one_rank import OneRankRequests
 from dist_kernel.parent.ranks import Ranks, SupervisedRanks
-from dist_kernel.parent.status import status_bundle
+from dist_kernel.parent.relay import Outlet, OutputRelay
+from dist_kernel.parent.replies import always_reply
+from dist_kernel.parent.startup import StartWait, unusable
+from dist_kernel.parent.status import run_parent_magics
 from dist_kernel.parent.stdin import InputBroker
 from dist_kernel.parent.supervisor import RankSupervisor
 from dist_kernel.parent.throttle import OutputBudget
+from dist_kernel.parent.top import TopMonitor
 from dist_kernel.protocol import META_CELL, META_RANKS, with_meta
 
 
-def _rearm(stream: Any) -> None:
-    """Look for requests a raw send may have hidden from ``stream`` (a ZMQStream).
-
-    A ZMQ socket's file descriptor signals edges: a send on the socket can swallow the edge
-    of a request that arrived meanwhile, which would then wait unread until the next message
-    (under load: the next cell never starts, or the stop button's interrupt_request is not
-    read). ZMQStream checks the socket after its own sends; replies here bypass it (above),
-    so the same check runs once their handler is done."""
-    if not isinstance(stream, ZMQStream) or stream.closed():
-        return
-
-    def check() -> None:
-        if not stream.closed() and pending(stream.socket):
-            stream.flush(zmq.POLLIN, limit=1)  # the stream's own callback, as a turn of its loop would
-
-    stream.io_loop.add_callback(check)
-
-
-class DistributedKernel(Kernel):
+class DistributedKernel(OneRankRequests, Kernel):
     """Runs each cell on N ranks that form one torch.distributed process group."""
 
     implementation = "dist_kernel"
@@ -88,7 +66,7 @@ class DistributedKernel(Kernel):
     # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
     _execute_sleep = 0.0  # the base class sleeps 0.5 ms per reply, blocking the event loop
     # comms (widgets, tqdm.notebook) are not in the base Kernel's message types
-    msg_types = [*Kernel.msg_types, "comm_open", "comm_msg", "comm_close"]
+    msg_types = [*Kernel.msg_types, *COMM_TYPES]
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -99,11 +77,11 @@ class DistributedKernel(Kernel):
         self._stdin: InputBroker | None = None
         self.ranks: Ranks | None = None  # the ranks' seam (SupervisedRanks over a RankSupervisor)
         self.comms = CommRouter(self._publish, self._callback_run)
+        self.debug = DebugSession(self._publish, self._debug_stopped)  # JupyterLab's debugger, on one rank
+        self.top = TopMonitor()  # %dist_top: each rank's load, live while cells run
         self._output_budget = OutputBudget()  # replaced in start(): spill files in the runtime dir
         self._displays = DisplayRegistry()  # display ids live across cells
-        self._start_interrupted = asyncio.Event()  # the stop button while the ranks start
-        self._waiting: dict | None = None  # the request of a cell waiting for the ranks to start
-        self._start_notes: list[str] = []  # what the launcher said while the ranks start (the Slurm queue)
+        self._starting = StartWait(self._publish)  # a cell waiting for the ranks to start
         self.group = GroupState()  # ranks left running, a pending re-formation: from cell to cell
         self._warnings: list[str] = []  # the configuration's warnings, shown once, in the first cell
         self._exiting = False
@@ -114,8 +92,8 @@ class DistributedKernel(Kernel):
         self._held = HeldBusy(lambda request: base._publish_status("busy", "shell", request),  # type: ignore[attr-defined]
                               base._publish_execute_input)  # type: ignore[attr-defined]
         # every request gets a reply, even when its handler raises (a plain handler would not)
-        self.shell_handlers = {t: self._always_reply(t, h) for t, h in self.shell_handlers.items()}
-        self.control_handlers = {t: self._always_reply(t, h) for t, h in self.control_handlers.items()}
+        self.shell_handlers = {t: always_reply(self, t, h) for t, h in self.shell_handlers.items()}
+        self.control_handlers = {t: always_reply(self, t, h) for t, h in self.control_handlers.items()}
 
     @property
     def _session(self) -> Session:
@@ -134,7 +112,8 @@ class DistributedKernel(Kernel):
     @property
     def kernel_info(self) -> dict:
         info = super().kernel_info
-        info["supported_features"] = []  # no debugger, no subshells: the parent cannot honour them
+        # the debugger is one rank's (parent/debugger.py); no subshells: the parent cannot honour them
+        info["supported_features"] = ["debugger"] if debugpy_available() else []
         return info
 
     # ------------------------------------------------------------- startup
@@ -143,7 +122,7 @@ class DistributedKernel(Kernel):
         self._main_loop = asyncio.get_event_loop()
         cfg = self.dist_config
         if isinstance(cfg, KernelConfig):
-            sup = RankSupervisor(cfg, self.comms.on_unrouted, self.on_rank_death, log=self.log,
+            sup = RankSupervisor(cfg, self.debug.routing(self.comms.on_unrouted), self.on_rank_death, log=self.log,
                                  on_stdin=self.on_rank_stdin, on_stopped=self.on_rank_stopped,
                                  extra_argv=self.extra_argv, on_note=self.on_start_note)
             atexit.register(_last_cleanup, sup)
@@ -160,27 +139,6 @@ class DistributedKernel(Kernel):
         # counts too); spill files live in the private runtime dir, removed at shutdown
         self._output_budget = OutputBudget(spill_dir=ranks.runtime_dir)
 
-    def _always_reply(self, msg_type: str, handler: Any) -> Any:
-        """Wrap a handler so that a request it fails on still gets an error reply.
-
-        The handler gets the stream's socket itself: a reply sent through tornado's ZMQStream
-        is queued and sent on a later turn of the loop (or by the flush after the request),
-        at a cost in CPU per request (issue 14). The handler runs on the stream's own thread."""
-        async def handle(stream: Any, ident: Any, parent: dict) -> None:
-            sock = getattr(stream, "socket", stream)
-            try:
-                result = handler(sock, ident, parent)
-                if asyncio.iscoroutine(result):
-                    await result
-            except Exception as e:  # answered, logged, and the kernel goes on
-                self.log.exception("handler for %s failed", msg_type)
-                if msg_type.endswith("_request"):
-                    reply = {"status": "error", "ename": type(e).__name__, "evalue": str(e), "traceback": []}
-                    self._session.send(sock, msg_type.replace("_request", "_reply"), reply, parent, ident=ident)
-            finally:
-                _rearm(stream)
-        return handle
-
     async def _ready_error(self) -> dict | None:
         """Wait for the ranks; the error to show if the kernel cannot run cells."""
         cfg = self.dist_config
@@ -190,30 +148,10 @@ class DistributedKernel(Kernel):
         if ranks is None:
             return error_content(ConfigError, "the kernel has no configuration")
         if not ranks.ready.is_set():
-            # the stop button while the ranks start ends this cell, never a starting rank
-            self._start_interrupted.clear()
-            self._waiting = self.get_parent("shell")
-            for text in self._start_notes:
-                self._publish(self._waiting, "stream", {"name": "stderr", "text": f"[dist_kernel] {text}\n"})
-            ready = asyncio.ensure_future(ranks.ready.wait())
-            stop = asyncio.ensure_future(self._start_interrupted.wait())
-            await asyncio.wait([ready, stop], return_when=asyncio.FIRST_COMPLETED)
-            for task in (ready, stop):
-                task.cancel()
-            self._waiting = None
-            if not ranks.ready.is_set():
-                return error_content(KeyboardInterrupt, "interrupted while the ranks were starting; they "
-                                     "go on starting, and the next cell runs on them")
-        if ranks.start_error:
-            return error_content(RankStartError, ranks.start_error)
-        dead = [r for r in range(ranks.config.world_size) if not ranks.alive(r)]
-        if dead:
-            what = "; ".join(f"rank {r} ({ranks.describe(r)}) {ranks.exit_reason(r)}" for r in dead)
-            return error_content(
-                RankDiedError, what,
-                ["The process group cannot continue without it. Restart the kernel "
-                 "(Kernel > Restart) to start fresh ranks; variables are lost."])
-        return None
+            stopped = await self._starting.wait(ranks, self.get_parent("shell"))
+            if stopped:
+                return stopped
+        return unusable(ranks)
 
     # ------------------------------------------------------------- execute
     def _publish(self, parent: dict, msg_type: str, content: dict, metadata: dict | None = None,
@@ -225,6 +163,10 @@ class DistributedKernel(Kernel):
         # _topic: private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
         self._session.send(self.iopub_socket, msg_type, content, parent=parent, ident=self._topic(msg_type),
                           metadata=metadata, buffers=buffers)
+
+    def _set_output_policy(self, policy: str) -> None:
+        """``%dist_output``: rich output from every rank, merged, or from rank 0 only."""
+        self.output_policy = policy
 
     def _fail(self, parent: dict, err: dict, silent: bool) -> dict:
         if not silent:
@@ -253,7 +195,10 @@ class DistributedKernel(Kernel):
             return self._fail(parent, error_content(RankSpecError, str(e)), silent)
         if plan.magics:
             self._held.release()
-            err = await self._run_parent_magics(parent, plan.magics)
+            err = await self.debug.run_magics(ranks, plan.magics, lambda t, c: self._publish(parent, t, c)) \
+                or self.top.run_magics(plan.magics, lambda t, c: self._publish(parent, t, c)) \
+                or await run_parent_magics(ranks, plan.magics, lambda t, c: self._publish(parent, t, c),
+                                           self._set_output_policy)
             if err:
                 return self._fail(parent, err, silent)
             if not plan.code.strip():
@@ -263,12 +208,10 @@ class DistributedKernel(Kernel):
         if self.group.reform_pending and not self.group.left_running:
             self._held.release()
             await self.group.reform_if_due(ranks, cfg.startup_timeout)
-        run = CellRun(plan.ranks, lambda t, c: self._publish(parent, t, c), self.execution_count,
-                      world=range(cfg.world_size), window=cfg.merge_window, via=ranks,
-                      hang_grace=cfg.hang_grace, rich_from=plan.ranks[0] if self.output_policy == "rank0" else None,
-                      relay_comm=lambda rank, msg: self.comms.relay(rank, msg, parent),
-                      budget=self._output_budget, displays=self._displays, group=self.group, parent=parent,
-                      reform_timeout=cfg.startup_timeout)
+        spec = CellSpec(plan.ranks, tuple(range(cfg.world_size)), self.execution_count, cfg.merge_window,
+                        hang_grace=cfg.hang_grace, rich_from=plan.ranks[0] if self.output_policy == "rank0" else None,
+                        reform_timeout=cfg.startup_timeout, parent=parent)
+        run = CellRun(spec, self._outlet(parent), ranks, group=self.group, debug_stopped=self.debug.stopped_ranks)
         content = {"code": plan.code, "silent": silent, "store_history": store_history,
                    "user_expressions": user_expressions or {}, "allow_stdin": allow_stdin,
                    "stop_on_error": False}
@@ -285,33 +228,38 @@ class DistributedKernel(Kernel):
         for msg_id in run.start(content, meta):
             self.comms.sent(msg_id, parent["header"]["msg_id"])
         self._held.release()
+        self.top.start_cell(ranks, lambda: run.busy_ranks, self.debug.stopped_ranks,
+                            lambda t, c: self._publish(parent, t, c))
         try:
-            error = await run.finish()
+            result = await run.finish()
         finally:
+            self.top.end_cell()
             self._current = None
             self._stdin = None
 
-        reply0 = run.replies.get(plan.ranks[0], {})
-        payload = reply0.get("payload", [])
+        payload = result.reply.get("payload", [])
         if any(p.get("source") == "ask_exit" and not p.get("keepkernel") for p in payload):
             self._exit_soon()  # exit()/quit(): end like a plain kernel; the frontend restarts it
-        if error is not None:
+        if result.error is not None:
             if not silent:
-                self._publish(parent, "error", error)
-            return {"status": "error", "execution_count": self.execution_count, **error}
+                self._publish(parent, "error", result.error)
+            return {"status": "error", "execution_count": self.execution_count, **result.error}
         return {"status": "ok", "execution_count": self.execution_count,
-                "user_expressions": reply0.get("user_expressions", {}),
+                "user_expressions": result.reply.get("user_expressions", {}),
                 # payloads (pager, set_next_input) from one rank only, or the frontend acts N times
                 "payload": payload}
 
-    def _callback_run(self, owners: list[int], parent: dict) -> CellRun:
-        """The run that merges what a shared widget's callback prints on its ranks."""
+    def _outlet(self, parent: dict) -> Outlet:
+        """Where the output of the frontend's request ``parent`` goes."""
+        return Outlet(lambda t, c: self._publish(parent, t, c), lambda rank, msg: self.comms.relay(rank, msg, parent),
+                      budget=self._output_budget, displays=self._displays)
+
+    def _callback_run(self, owners: list[int], parent: dict) -> OutputRelay:
+        """What merges what a shared widget's callback prints on its ranks (it sends nothing)."""
         assert self.ranks is not None  # the router calls this only once the ranks are ready
         cfg = self.ranks.config
-        return CellRun(owners, lambda t, c: self._publish(parent, t, c), self.execution_count,
-                       window=cfg.merge_window, world=range(cfg.world_size),
-                       relay_comm=lambda rank, msg: self.comms.relay(rank, msg, parent),
-                       budget=self._output_budget, displays=self._displays)
+        return OutputRelay(owners, self._outlet(parent), self.execution_count, cfg.merge_window,
+                           world=range(cfg.world_size))
 
     # ------------------------------------------------------- rank events
     def on_rank_death(self, rank: int, reason: str) -> None:
@@ -325,9 +273,7 @@ class DistributedKernel(Kernel):
     def on_start_note(self, text: str) -> None:
         """The launcher's news while the ranks start (waiting in the Slurm queue, job id): shown
         in the cell that waits for them, or in the first cell."""
-        self._start_notes.append(text)
-        if self._waiting is not None:
-            self._publish(self._waiting, "stream", {"name": "stderr", "text": f"[dist_kernel] {text}\n"})
+        self._starting.note(text)
 
     def on_rank_stopped(self, rank: int, state: str) -> None:
         """A rank was stopped (``state`` in words) or runs again (``state`` empty)."""
@@ -339,6 +285,17 @@ class DistributedKernel(Kernel):
             return
         if self._current is not None:
             self._current.on_rank_stopped(rank)
+
+    def _debug_stopped(self, rank: int) -> None:
+        """The debugged rank stopped at a breakpoint: the running cell says so, once."""
+        if self._current is not None:
+            self._current.notice(f"rank {rank} is stopped at a breakpoint (debugger): the other ranks run on until "
+                                 "they wait for it in a collective. Continue in the debugger, or press stop to "
+                                 "end the cell on every rank.", key=("breakpoint", rank))
+
+    async def do_debug_request(self, msg: dict) -> dict:
+        """JupyterLab's debugger: answered by one rank's (parent/debugger.py), on the main loop."""
+        return await self._on_main(self.debug.request(self.ranks, self.get_parent("control")))
 
     # -------------------------------------------------------------- stdin
     def on_rank_stdin(self, rank: int, msg: dict) -> None:
@@ -371,30 +328,6 @@ class DistributedKernel(Kernel):
         """The comms of every rank, merged."""
         reply = await self.comms.info(self.ranks, parent["content"])
         self._session.send(stream, "comm_info_reply", reply, parent, ident=ident)
-
-    # -------------------------------------------------------------- magics
-    async def _run_parent_magics(self, parent: dict, magics: tuple[tuple[str, str], ...]) -> dict | None:
-        ranks = self.ranks
-        assert ranks is not None
-        for name, arg in magics:
-            if name == "dist_status":
-                table = await ranks.status()
-                self._publish(parent, "display_data", status_bundle(table, ranks.config))
-            elif name == "dist_output":
-                if arg not in ("all", "rank0"):
-                    return error_content(UsageError, f"%dist_output {arg!r}: use `%dist_output all` "
-                                          "(rich output from every rank, merged) or `%dist_output rank0`.")
-                self.output_policy = arg
-                self._publish(parent, "stream", {"name": "stdout", "text": f"rich output from: {arg}\n"})
-            elif name == "dist_empty_cache":
-                if arg not in ("on", "off"):
-                    return error_content(UsageError, f"%dist_empty_cache {arg!r}: use on or off.")
-                missing = await ranks.set_option("empty_cache", arg == "on")
-                if missing:
-                    return error_content(RankRequestError, f"rank {format_ranks(missing)} did not confirm "
-                                         "%dist_empty_cache; run it again, or restart the kernel.")
-                self._publish(parent, "stream", {"name": "stdout", "text": f"empty_cache after each cell: {arg}\n"})
-        return None
 
     # ---------------------------------------------------------- control
     # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
@@ -439,7 +372,7 @@ class DistributedKernel(Kernel):
             try:
                 # the stop button acts on what ran when it was pressed: a cell the frontend sent
                 # after it (its request can reach the parent first) must not be hit
-                await asyncio.wait_for(self._on_main(self._interrupt_busy(_sent(parent))), 5)
+                await asyncio.wait_for(self._on_main(self._interrupt_busy(sent_at(parent))), 5)
             except Exception as e:  # noqa: BLE001
                 content = {"status": "error", "ename": type(e).__name__, "evalue": str(e), "traceback": []}
         self._session.send(stream, "interrupt_reply", content, parent, ident=ident)
@@ -452,11 +385,10 @@ class DistributedKernel(Kernel):
         ranks = self.ranks
         assert ranks is not None
         if not ranks.ready.is_set():
-            if self._waiting is not None and not _before(pressed, self._waiting):
-                self._start_interrupted.set()
+            self._starting.stop(pressed)
             return
         run = self._current
-        if run is not None and _before(pressed, run.parent):
+        if run is not None and pressed_before(pressed, run.parent):
             return  # pressed before this cell was sent: meant for what ran then, or for nothing
         if run is None:
             await ranks.interrupt(sorted(self.group.left_running))
@@ -495,6 +427,8 @@ class DistributedKernel(Kernel):
 
     async def do_shutdown(self, restart: bool) -> dict:
         if self.ranks is not None:
+            with contextlib.suppress(Exception):
+                await self._on_main(self.debug.end(self.ranks))
             try:
                 await asyncio.wait_for(self._on_main(self.ranks.shutdown()), 10)
             except Exception:
@@ -502,96 +436,8 @@ class DistributedKernel(Kernel):
             self.ranks.cleanup_sync()
         return {"status": "ok", "restart": restart}
 
-    # ----------------------------------------------------- simple requests
-    async def _ask_rank(self, msg_type: str, content: dict, fallback: dict) -> dict:
-        """Answer from a live rank: the first one a ``%%rank`` line in the code names, else rank 0.
 
-        The ``%%rank`` line is blanked to the same length, so cursor offsets stay valid.
-        """
-        ranks = self.ranks
-        if ranks is None or not ranks.ready.is_set() or ranks.start_error:
-            return fallback
-        rank = 0
-        if "code" in content:
-            try:
-                plan = plan_cell(content["code"], ranks.config.world_size)
-                rank, content = plan.ranks[0], dict(content, code=plan.code)
-            except RankSpecError:
-                pass
-        try:
-            return await ranks.shell_request(rank, msg_type, content)
-        except Exception:  # noqa: BLE001 - a dead or busy rank: answer without it
-            return fallback
-
-    async def do_complete(self, code: str, cursor_pos: int) -> dict:
-        return await self._ask_rank("complete_request", {"code": code, "cursor_pos": cursor_pos},
-                                    {"status": "ok", "matches": [], "cursor_start": cursor_pos,
-                                     "cursor_end": cursor_pos, "metadata": {}})
-
-    async def do_inspect(self, code: str, cursor_pos: int, detail_level: int = 0,
-                         omit_sections: tuple = ()) -> dict:
-        return await self._ask_rank("inspect_request", {"code": code, "cursor_pos": cursor_pos,
-                                                        "detail_level": detail_level},
-                                    {"status": "ok", "found": False, "data": {}, "metadata": {}})
-
-    async def do_is_complete(self, code: str) -> dict:
-        return await self._ask_rank("is_complete_request", {"code": code}, {"status": "unknown"})
-
-    async def do_history(self, hist_access_type: str, output: bool, raw: bool, session: int | None = None,
-                         start: int | None = None, stop: int | None = None, n: int | None = None,
-                         pattern: str | None = None, unique: bool = False) -> dict:
-        content = {"hist_access_type": hist_access_type, "output": output, "raw": raw,
-                   "session": session, "start": start, "stop": stop, "n": n, "pattern": pattern,
-                   "unique": unique}
-        reply = await self._ask_rank("history_request", content, {"status": "ok", "history": []})
-        if hist_access_type == "range" and session:
-            # IPython answers a range of the current session with session 0 ("this session");
-            # echo the session the frontend asked for, as the protocol expects
-            reply["history"] = [(session if row[0] == 0 else row[0], *row[1:]) for row in reply.get("history", [])]
-        return reply
-
-
-class DistributedKernelApp(UnboundedIOPubApp):
-    """IPKernelApp that runs :class:`DistributedKernel` and keeps its own prints off IOPub."""
-
-    name = "dist-kernel"
-    kernel_class = DistributedKernel
-    outstream_class = None  # type: ignore[assignment]  # a trait that allows None: the parent's own prints go to its log, never into a cell
-    dist_config = AnyTrait(None)
-    rank_argv = AnyTrait(None)  # kernel arguments from the frontend, for the ranks too
-
-    def init_control(self, context: Any) -> None:
-        super().init_control(context)
-        # no subshells: shell messages are handled on the main loop, where the rank clients live
-        # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
-        self.shell_channel_thread = None
-
-    def init_signal(self) -> None:
-        # SIGINT reaching the parent (signal-mode frontends, a terminal) interrupts the ranks
-        # instead of killing the parent; SIGTERM ends the ranks before the parent goes.
-        def on_sigint(*_: Any) -> None:
-            kernel = self.kernel
-            if kernel is not None and kernel._main_loop is not None and kernel.ranks is not None:
-                kernel._main_loop.call_soon_threadsafe(
-                    lambda: asyncio.ensure_future(kernel._interrupt_busy()))
-
-        def on_sigterm(*_: Any) -> None:
-            _ignore_sigterm()
-            kernel = self.kernel
-            if kernel is not None and kernel.ranks is not None:
-                kernel.ranks.cleanup_sync()
-            raise SystemExit(0)
-
-        signal.signal(signal.SIGINT, on_sigint)
-        signal.signal(signal.SIGTERM, on_sigterm)
-
-    def init_kernel(self) -> None:
-        super().init_kernel()
-        self.kernel.dist_config = self.dist_config
-        self.kernel.extra_argv = list(self.rank_argv or [])
-
-
-def _ignore_sigterm() -> None:
+def ignore_sigterm() -> None:
     """The parent is ending its ranks on its way out: a SIGTERM now (a kernel manager's
     escalation, sent after its shutdown request) would cut that short with SystemExit. SIGKILL
     still ends the parent; its reaper then ends the ranks."""
@@ -600,33 +446,5 @@ def _ignore_sigterm() -> None:
 
 
 def _last_cleanup(sup: RankSupervisor) -> None:
-    _ignore_sigterm()
+    ignore_sigterm()
     sup.cleanup_sync()
-
-
-def launch(connection_file: str, config: KernelConfig | ConfigError, extra_argv: list[str] | None = None) -> None:
-    """Start the parent kernel (what kernel.json's argv runs)."""
-    started = time.monotonic()
-    app = DistributedKernelApp.instance(dist_config=config, rank_argv=list(extra_argv or []))
-    app.initialize(["-f", connection_file, *(extra_argv or [])])
-    # imports and the interpreter's own start come before this function: count from the process's start
-    since_exec = time.time() - psutil.Process().create_time()
-    app.log.info("dist_kernel parent initialised in %.3fs (%.2fs since the process started)",
-                 time.monotonic() - started, since_exec)
-    app.start()
-
-
-def _sent(msg: dict) -> datetime | None:
-    """When the frontend sent a request (its header's date), if it says."""
-    date = msg.get("header", {}).get("date")
-    return date if isinstance(date, datetime) else None
-
-
-def _before(pressed: datetime | None, request: dict) -> bool:
-    """Was the stop button pressed before the frontend sent ``request``? (Both dates are the
-    frontend's own clock; unknown dates count as not before.)"""
-    sent = _sent(request)
-    try:
-        return pressed is not None and sent is not None and pressed < sent
-    except TypeError:  # one naive, one aware
-        return False

@@ -13,6 +13,10 @@ Line magics the parent answers itself, on a cell's leading lines:
 - ``%dist_output all|rank0``: rich output from every rank (merged) or from rank 0 only
   (starts as the kernel's ``--rich-output``);
 - ``%dist_empty_cache on|off``: free the CUDA cache after each cell (starts as ``--empty-cache``).
+- ``%dist_debug N|off``: JupyterLab's debugger debugs rank N (rank 0 at start), or no rank;
+  alone, it says which (:mod:`dist_kernel.parent.debugger`).
+- ``%dist_top`` / ``%dist_top off``: a live table of each rank's state and load while cells run
+  (:mod:`dist_kernel.parent.top`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ _PIECE = re.compile(r"^([0-9]+)(?:\s*-\s*([0-9]+))?$")  # not \d: it matches eve
 _CELL_MAGIC = re.compile(r"^\s*%%\w")
 
 
-PARENT_MAGICS = ("dist_status", "dist_output", "dist_empty_cache")
+PARENT_MAGICS = ("dist_status", "dist_output", "dist_empty_cache", "dist_debug", "dist_top")
 _PARENT_LINE = re.compile(r"^\s*%(?P<name>" + "|".join(PARENT_MAGICS) + r")\b(?P<arg>.*)$")
 
 

@@ -96,11 +96,24 @@ class Ranks(CellRanks, Protocol):
     async def shell_request(self, rank: int, msg_type: str, content: dict, timeout: float = 10.0) -> dict:
         """One shell round trip (completion, inspection, comm_info); the reply content."""
 
+    async def control_request(self, rank: int, msg_type: str, content: dict, timeout: float = 10.0) -> dict:
+        """One control round trip (``debug_request``, answered by the rank's debugger); the reply content."""
+
     def reply_input(self, rank: int, value: str) -> None:
         """Answer the rank's ``input()``."""
 
     async def status(self) -> dict[int, dict]:
         """Each rank's ``%dist_status`` row."""
+
+    def host(self, rank: int) -> str:
+        """The machine the rank runs on ("" for this one)."""
+
+    def agent_load(self, rank: int) -> dict | None:
+        """A remote rank's latest load sample from its node agent (:mod:`dist_kernel.load`); None
+        for local ranks, or before the agent sent one."""
+
+    def sample_remote(self, on: bool) -> None:
+        """Ask the node agents to add their ranks' load samples to their beats (``%dist_top``)."""
 
     async def set_option(self, name: str, on: bool) -> list[int]:
         """Switch a rank-side option everywhere; the ranks that did not confirm."""
@@ -163,6 +176,18 @@ class SupervisedRanks:
     async def set_option(self, name: str, on: bool) -> list[int]:
         return await self.sup.set_option(name, on)
 
+    # %dist_top (parent/top.py)
+    def host(self, rank: int) -> str:
+        r = self.sup.ranks.get(rank)
+        return r.host if r is not None else ""
+
+    def agent_load(self, rank: int) -> dict | None:
+        r = self.sup.ranks.get(rank)
+        return getattr(r.process, "load", None) if r is not None else None  # RemoteRank only
+
+    def sample_remote(self, on: bool) -> None:
+        self.sup.launcher.sample(on)
+
     async def shutdown(self, now: bool = False) -> None:
         await self.sup.shutdown(now=now)
 
@@ -188,6 +213,9 @@ class SupervisedRanks:
 
     async def shell_request(self, rank: int, msg_type: str, content: dict, timeout: float = 10.0) -> dict:
         return await self.sup.channel(rank).shell_request(msg_type, content, timeout)
+
+    async def control_request(self, rank: int, msg_type: str, content: dict, timeout: float = 10.0) -> dict:
+        return await self.sup.channel(rank).shell_request(msg_type, content, timeout, channel="control")
 
     def alive(self, rank: int) -> bool:
         r = self.sup.ranks.get(rank)
@@ -220,4 +248,3 @@ class SupervisedRanks:
         with contextlib.suppress(Exception):
             return r.log_tail(lines)
         return ""
-

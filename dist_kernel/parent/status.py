@@ -1,13 +1,26 @@
-"""``%dist_status``: one row per rank, as text and as an HTML table."""
+"""The parent's own magics, run (``%dist_status``, ``%dist_output``, ``%dist_empty_cache``;
+read from a cell by :mod:`dist_kernel.parent.magics`), and ``%dist_status``'s table: one row
+per rank, as text and as HTML."""
 
 from __future__ import annotations
 
+import asyncio
 import html
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from dist_kernel.exceptions import RankRequestError, UsageError, error_content
 from dist_kernel.options import KernelConfig
+from dist_kernel.parent.magics import format_ranks
+from dist_kernel.parent.top import status_loads
+from dist_kernel.parent.top_table import status_columns
+
+if TYPE_CHECKING:
+    from dist_kernel.parent.ranks import Ranks
 
 COLUMNS = [("rank", "rank"), ("pid", "pid"), ("host", "host"), ("device", "device"), ("state", "state"), ("group", "group"),
-           ("rss_mb", "RSS MB"), ("cuda_allocated_mb", "CUDA alloc MB"), ("cuda_reserved_mb", "CUDA reserved MB"),
+           ("cpu", "CPU %"), ("rss_mb", "RSS MB"), ("gpu_util", "GPU %"), ("gpu_mem", "GPU mem"), ("gpu_temp", "temp"),
+           ("cuda_allocated_mb", "CUDA alloc MB"), ("cuda_reserved_mb", "CUDA reserved MB"),
            ("empty_cache", "empty_cache")]
 
 
@@ -27,3 +40,32 @@ def status_bundle(table: dict[int, dict], config: KernelConfig) -> dict:
 
 def _cell(value: object) -> str:
     return "" if value is None else str(value)
+
+
+async def run_parent_magics(ranks: Ranks, magics: tuple[tuple[str, str], ...],
+                            publish: Callable[[str, dict], None],
+                            set_output: Callable[[str], None]) -> dict | None:
+    """Run a cell's parent magics in order (``(name, argument)`` each); the first one's error
+    content ends them. ``publish(msg_type, content)`` shows their output in the cell;
+    ``set_output`` takes ``%dist_output``'s policy."""
+    for name, arg in magics:
+        if name == "dist_status":
+            table, loads = await asyncio.gather(ranks.status(), status_loads(ranks))
+            # %dist_top's columns as a snapshot; n/a where unknown (no NVML, no GPU)
+            table = {r: {**row, **status_columns(loads.get(r, {}))} for r, row in table.items()}
+            publish("display_data", status_bundle(table, ranks.config))
+        elif name == "dist_output":
+            if arg not in ("all", "rank0"):
+                return error_content(UsageError, f"%dist_output {arg!r}: use `%dist_output all` "
+                                      "(rich output from every rank, merged) or `%dist_output rank0`.")
+            set_output(arg)
+            publish("stream", {"name": "stdout", "text": f"rich output from: {arg}\n"})
+        elif name == "dist_empty_cache":
+            if arg not in ("on", "off"):
+                return error_content(UsageError, f"%dist_empty_cache {arg!r}: use on or off.")
+            missing = await ranks.set_option("empty_cache", arg == "on")
+            if missing:
+                return error_content(RankRequestError, f"rank {format_ranks(missing)} did not confirm "
+                                     "%dist_empty_cache; run it again, or restart the kernel.")
+            publish("stream", {"name": "stdout", "text": f"empty_cache after each cell: {arg}\n"})
+    return None

@@ -223,9 +223,7 @@ class RankSupervisor:
         req = protocol.Join(rank=rank, world_size=cfg.world_size, local_rank=cfg.local_rank_of(rank),
                             backend=cfg.backend, store=self._store(),
                             timeout=cfg.timeout, use_cuda=cfg.uses_cuda, first=first,
-                            seed=self.seed if first else None, fastai=cfg.fastai,
-                            empty_cache=cfg.empty_cache,
-                            lightning=cfg.lightning, hf=cfg.hf)
+                            seed=self.seed if first else None, switches=cfg.rank_switches())
         try:
             reply = await r.channel.request(req, timeout=cfg.startup_timeout)
         except RankRequestError as e:

@@ -49,16 +49,14 @@ class Switch:
 
 
 # Every integration's switch lives here, so that an integration's package and the patch modules
-# it installs all read it without an import cycle, and the rank kernel's ``set_option`` finds it
-# by name without importing the integration.
+# it installs all read it without an import cycle, and ``set_option`` (dist_kernel.rank.switches)
+# reaches it without importing the integration.
 #: ``--fastai``, ``%dist_fastai``
 fastai = Switch("fastai", "fastai")
 #: ``--lightning``, ``%dist_lightning``
 lightning = Switch("lightning", "Lightning")
 #: ``--hf``, ``%dist_hf``
 hf = Switch("hf", "Hugging Face (accelerate, Transformers)")
-#: by the name the protocol's ``set_option`` uses (:data:`dist_kernel.protocol.OPTION_NAMES`)
-SWITCHES: dict[str, Switch] = {s.name: s for s in (fastai, lightning, hf)}
 
 
 def in_group() -> bool:

@@ -7,7 +7,8 @@ completion, display and comms as the plain Python kernel. What it adds:
   so the parent gets answers while the shell runs a long cell or is blocked in a C++
   collective; nothing the kernel needs lives in the user's namespace;
 - cell file names shared by every rank (``/tmp/ipykernel_<parent pid>/<hash>.py``), so a
-  warning or traceback that every rank prints the same way merges into one;
+  warning or traceback that every rank prints the same way merges into one (ipykernel's
+  debugger is given the same names, so JupyterLab's breakpoints stop the rank);
 - comm ids named after the cell and what the comm opens with (:mod:`~dist_kernel.rank.widgets`),
   so a widget every rank creates the same way is one widget in the frontend;
 - no subshells (no shell channel thread: one thread hop less per request), and no
@@ -38,7 +39,7 @@ from jupyter_client.session import Session
 
 from dist_kernel import protocol
 from dist_kernel.iopub import UnboundedIOPubApp
-from dist_kernel.rank import agent, branches, display_ids, widgets
+from dist_kernel.rank import agent, branches, display_ids, switches, widgets
 
 PARENT_PID_ENV = "JPY_PARENT_PID"
 
@@ -50,12 +51,28 @@ def cell_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"ipykernel_{owner}")
 
 
+def cell_file(code: str) -> str:
+    """The file a cell of source ``code`` is compiled to (and dumped to by the debugger)."""
+    return os.path.join(cell_dir(), f"{murmur2_x86(code, get_tmp_hash_seed())}.py")
+
+
 class SharedNameCompiler(XCachingCompiler):
     """ipykernel's compiler names a cell's file after the process's own pid: ranks would
     each report the same warning from a different file, and nothing would merge."""
 
     def get_code_name(self, raw_code: str, code: str, number: int) -> str:
-        return os.path.join(cell_dir(), f"{murmur2_x86(raw_code, get_tmp_hash_seed())}.py")
+        return cell_file(raw_code)
+
+
+def debugger_sees_shared_names() -> None:
+    """ipykernel's debugger dumps a cell (``dumpCell``) to, and tells the frontend
+    (``debugInfo``), the file names of ipykernel's own compiler: under the rank's own pid. The
+    rank compiles cells under :func:`cell_dir`, so breakpoints set in those files would never
+    stop it: the debugger is given the rank's names."""
+    from ipykernel import debugger
+
+    debugger.get_tmp_directory = cell_dir
+    debugger.get_file_name = cell_file
 
 
 class RankKernel(IPythonKernel):
@@ -68,6 +85,7 @@ class RankKernel(IPythonKernel):
     control_msg_types = [*IPythonKernel.control_msg_types, protocol.REQUEST]
 
     def __init__(self, **kwargs: Any) -> None:
+        debugger_sees_shared_names()
         super().__init__(**kwargs)
         if self.shell_channel_thread is None:  # no subshells (RankKernelApp.init_control)
             self.shell_channel_thread = _NoShellChannel()
@@ -308,15 +326,23 @@ def _interrupt_cell(signum: int, frame: Any) -> None:
 def _drop_interrupt_frame(error: BaseException | None) -> None:
     """A KeyboardInterrupt raised by :func:`_interrupt_cell` ends in its frame, which is the
     kernel's, not the user's: cut it off, so the traceback ends where the cell was stopped, as
-    in a plain kernel. (``__tracebackhide__`` cannot do it: IPython always shows the last frame.)"""
+    in a plain kernel; so are debugpy's, when the rank was stopped at a breakpoint. (``__tracebackhide__`` cannot do it: IPython always shows the last frame.)"""
     if not isinstance(error, KeyboardInterrupt):
         return
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None:
-        if tb.tb_next.tb_next is None and tb.tb_next.tb_frame.f_code is _interrupt_cell.__code__:
+        nxt = tb.tb_next
+        if (nxt.tb_next is None and nxt.tb_frame.f_code is _interrupt_cell.__code__) \
+                or _in_debugger(nxt.tb_frame.f_code.co_filename):
+            # the rank stood at a breakpoint: the frames below are the debugger's own wait
             tb.tb_next = None  # writable since Python 3.7
             return
-        tb = tb.tb_next
+        tb = nxt
+
+
+def _in_debugger(filename: str) -> bool:
+    """Is this a frame of debugpy (pydevd), where a rank stopped at a breakpoint waits?"""
+    return "_pydevd_bundle" in filename or f"{os.sep}debugpy{os.sep}" in filename
 
 
 def _nothing() -> None:
@@ -361,14 +387,9 @@ def _join(req: protocol.Join) -> protocol.Joined:
 
 
 def _set_option(req: protocol.SetOption) -> protocol.Done:
-    """``empty_cache``, ``fastai``, ``lightning`` or ``hf``, switched at run time (the protocol
+    """A rank switch (:mod:`dist_kernel.rank.switches`), switched at run time (the protocol
     validated the name)."""
-    if req.name == "empty_cache":
-        agent.set_empty_cache(req.on)
-    else:
-        from dist_kernel.rank.integration import SWITCHES
-
-        SWITCHES[req.name].set(req.on)
+    switches.switch(req.name, req.on)
     return protocol.Done(outcome=f"{req.name} {'on' if req.on else 'off'}")
 
 

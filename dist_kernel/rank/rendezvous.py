@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from dist_kernel import placement
 from dist_kernel.protocol import Join
-from dist_kernel.rank import agent, store
+from dist_kernel.rank import agent, store, switches
 
 
 def join(req: Join) -> str:
@@ -35,7 +36,7 @@ def join(req: Join) -> str:
                 f"rank {rank}: CUDA was requested (--gpus) but torch.cuda.is_available() is False "
                 f"in this environment (torch {torch.__version__}). Install a CUDA build of torch, "
                 "or start the kernel with --gpus none --backend gloo.")
-        index = local_rank % torch.cuda.device_count()
+        index = placement.cuda_index(local_rank, torch.cuda.device_count())
         torch.cuda.set_device(index)
         device = torch.device("cuda", index)
     else:
@@ -54,22 +55,10 @@ def join(req: Join) -> str:
     _master_port(req, meeting)
     _define_names(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
     agent.set_device(str(device))
-    if req.first:  # later formations keep what %dist_empty_cache chose
-        agent.set_empty_cache(req.empty_cache)
     if req.first and req.seed is not None:
         seed_everything(req.seed)
-    if req.first and req.fastai:
-        from dist_kernel.rank import fastai as fastai_integration
-
-        fastai_integration.install()
-    if req.first and req.lightning:
-        from dist_kernel.rank import lightning as lightning_integration
-
-        lightning_integration.install()
-    if req.first and req.hf:
-        from dist_kernel.rank import hf
-
-        hf.install()
+    if req.first:  # later formations keep what %dist_empty_cache (set_option) chose
+        switches.start(req.switches)
     return str(device)
 
 

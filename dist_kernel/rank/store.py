@@ -74,84 +74,100 @@ def _store_class() -> type:
         return _classes[0]
     import torch.distributed as dist
 
-    class EndableStore(dist.Store):
+    class EndableStore(_Endable, dist.Store):
         """Delegates to ``inner``; blocking calls wait here, in slices (see the module doc)."""
-
-        def __init__(self, inner: Any) -> None:
-            super().__init__()
-            self.inner = inner
-            self.set_timeout(inner.timeout)
-
-        # ---- blocking calls
-        def get(self, key: str) -> bytes:
-            self._wait([key], None)
-            return self.inner.get(key)
-
-        def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-            self._wait(keys, timeout)
-
-        def multi_get(self, keys: list[str]) -> list[bytes]:
-            self._wait(keys, None)
-            return self.inner.multi_get(keys)
-
-        def _wait(self, keys: list[str], timeout: timedelta | None) -> None:
-            if self.inner.check(keys):
-                return
-            limit = (timeout or self.timeout).total_seconds()  # type: ignore[attr-defined]  # Store.timeout: a property torch's stubs lack
-            started = time.monotonic()
-            with _lock:
-                epoch = _state["epoch"]
-                _state["waiting"] = int(_state["waiting"]) + 1
-            try:
-                pause = 0.001
-                while not self.inner.check(keys):
-                    if _state["epoch"] != epoch:
-                        raise WaitReleased(
-                            f"dist_kernel ended this wait in the rendezvous store for {', '.join(keys)}: "
-                            "the other ranks never entered the same group creation")
-                    if limit > 0 and time.monotonic() - started > limit:
-                        raise dist.DistStoreError(
-                            f"Timeout after {limit:.0f}s waiting in the rendezvous store for {', '.join(keys)}")
-                    time.sleep(pause)  # the main thread runs Python here: SIGINT raises
-                    pause = min(SLICE, pause * 2)
-            except BaseException as e:
-                if not isinstance(e, dist.DistStoreError):  # torch retries its own timed waits
-                    _state["abandoned"] = True
-                raise
-            finally:
-                with _lock:
-                    _state["waiting"] = int(_state["waiting"]) - 1
-
-        # ---- the rest as is
-        def set(self, key: str, value: Any) -> None:
-            self.inner.set(key, value)
-
-        def add(self, key: str, amount: int) -> int:
-            return self.inner.add(key, amount)
-
-        def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-            return self.inner.compare_set(key, expected, desired)
-
-        def delete_key(self, key: str) -> bool:
-            return self.inner.delete_key(key)
-
-        def num_keys(self) -> int:
-            return self.inner.num_keys()
-
-        def check(self, keys: list[str]) -> bool:
-            return self.inner.check(keys)
-
-        def append(self, key: str, value: Any) -> None:
-            self.inner.append(key, value)
-
-        def multi_set(self, keys: list[str], values: list[Any]) -> None:
-            self.inner.multi_set(keys, values)
-
-        def clone(self) -> Any:
-            try:
-                return _kept(EndableStore(self.inner.clone()))
-            except (RuntimeError, NotImplementedError):  # a FileStore cannot be cloned: share it
-                return self
 
     _classes.append(EndableStore)
     return EndableStore
+
+
+class _Endable:
+    """The methods of :func:`_store_class`'s ``torch.distributed.Store`` subclass, written here
+    without torch; C++ finds them on the subclass (pybind11 looks the overrides up by name)."""
+
+    timeout: timedelta  # torch's Store property
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()  # torch.distributed.Store's: pybind11 requires it
+        self.inner = inner
+        self.set_timeout(inner.timeout)  # type: ignore[attr-defined]  # torch's Store method: the base comes with the subclass
+
+    # ---- blocking calls
+    def get(self, key: str) -> bytes:
+        self._wait([key], None)
+        return self.inner.get(key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._wait(keys, timeout)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._wait(keys, None)
+        return self.inner.multi_get(keys)
+
+    def _wait(self, keys: list[str], timeout: timedelta | None) -> None:
+        if self.inner.check(keys):
+            return
+        import torch.distributed as dist  # imported already: this store exists only under torch
+
+        limit = (timeout or self.timeout).total_seconds()
+        _wait_in_slices(self.inner, keys, limit, dist.DistStoreError)
+
+    # ---- the rest as is
+    def set(self, key: str, value: Any) -> None:
+        self.inner.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def append(self, key: str, value: Any) -> None:
+        self.inner.append(key, value)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self.inner.multi_set(keys, values)
+
+    def clone(self) -> Any:
+        try:
+            return _kept(type(self)(self.inner.clone()))
+        except (RuntimeError, NotImplementedError):  # a FileStore cannot be cloned: share it
+            return self
+
+
+def _wait_in_slices(inner: Any, keys: list[str], limit: float, timeout_error: type[Exception]) -> None:
+    """Wait until ``inner`` holds ``keys``: in slices that grow to :data:`SLICE` (the main thread
+    runs Python between them, so SIGINT raises), until :func:`release` or ``limit`` seconds (0:
+    no limit), which raises ``timeout_error`` (torch's ``DistStoreError``: passed in, since this
+    module does not import torch)."""
+    started = time.monotonic()
+    with _lock:
+        epoch = _state["epoch"]
+        _state["waiting"] = int(_state["waiting"]) + 1
+    try:
+        pause = 0.001
+        while not inner.check(keys):
+            if _state["epoch"] != epoch:
+                raise WaitReleased(
+                    f"dist_kernel ended this wait in the rendezvous store for {', '.join(keys)}: "
+                    "the other ranks never entered the same group creation")
+            if limit > 0 and time.monotonic() - started > limit:
+                raise timeout_error(f"Timeout after {limit:.0f}s waiting in the rendezvous store for {', '.join(keys)}")
+            time.sleep(pause)  # the main thread runs Python here: SIGINT raises
+            pause = min(SLICE, pause * 2)
+    except BaseException as e:
+        if not isinstance(e, timeout_error):  # torch retries its own timed waits
+            _state["abandoned"] = True
+        raise
+    finally:
+        with _lock:
+            _state["waiting"] = int(_state["waiting"]) - 1

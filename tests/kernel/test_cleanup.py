@@ -123,7 +123,7 @@ def test_a_runtime_dir_whose_kernel_is_gone_is_swept_at_the_next_start(tmp_path)
     for d in (stale, live, other):
         d.mkdir()
         (d / "rank0.json").write_text("{}")
-    assert cleanup.sweep_stale_runtime_dirs(str(tmp_path)) == [str(stale)]
+    assert cleanup.sweep([str(tmp_path)]).removed == [str(stale)]
     assert not stale.exists() and live.exists() and other.exists()
 
 

@@ -57,6 +57,7 @@ class FakeRanks:
         self.signalled: list[int] = []
         self.torn_down: list[int] = []
         self.formations = 0
+        self.sampling: list[bool] = []  # sample_remote's calls (%dist_top)
         self.inputs: list[tuple[int, str]] = []
         self._ids = itertools.count()
         self._dead: dict[int, str] = {}
@@ -146,6 +147,15 @@ class FakeRanks:
 
     async def set_option(self, name: str, on: bool) -> list[int]:
         return []
+
+    def host(self, rank: int) -> str:
+        return ""
+
+    def agent_load(self, rank: int) -> dict | None:
+        return None
+
+    def sample_remote(self, on: bool) -> None:
+        self.sampling.append(on)
 
     async def shutdown(self, now: bool = False) -> None:
         pass

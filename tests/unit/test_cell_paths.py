@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from dist_kernel.parent.execution import CellRun
 from dist_kernel.parent.merge import CellMerger
+from dist_kernel.parent.relay import Outlet, OutputRelay
 
 W = 0.1
 
@@ -86,7 +86,7 @@ def _msg(msg_type, content):
 def test_a_rank_is_done_at_its_reply_and_counted_messages_without_idle():
     async def go():
         published = []
-        run = CellRun([0, 1], lambda t, c: published.append((t, c)), 1, window=W)
+        run = OutputRelay([0, 1], Outlet(lambda t, c: published.append((t, c))), 1, window=W)
         waiter = asyncio.ensure_future(run.wait())
         run.on_reply(0, *_reply(1))  # the reply overtook the rank's one output
         run.on_reply(1, *_reply(0))
@@ -101,7 +101,7 @@ def test_a_rank_is_done_at_its_reply_and_counted_messages_without_idle():
 
 def test_without_a_count_the_idle_still_ends_a_rank():
     async def go():
-        run = CellRun([0], lambda t, c: None, 1, window=W)
+        run = OutputRelay([0], Outlet(lambda t, c: None), 1, window=W)
         waiter = asyncio.ensure_future(run.wait())
         run.on_reply(0, {"status": "ok"}, {})
         await asyncio.sleep(0)

@@ -5,17 +5,24 @@ from __future__ import annotations
 
 import pytest
 
-from dist_kernel.parent.fault_policy import Cell, Judge, Seen, after_cell, look_due, out_of_step
+from dist_kernel.parent.fault_policy import Cell, Judge, after_cell, look_due, out_of_step
+from dist_kernel.protocol import Place
 
 WORLD = (0, 1)
 
 
-def blocked(collective: str, group=(0, 1), seq: int | None = 5, peer: int | None = None) -> Seen:
-    return Seen(answered=True, collective=collective, group_ranks=tuple(group), seq=seq, peer=peer,
-                line="line 2: ...")
+def place(collective: str | None = None, group_ranks=(), peer: int | None = None, seq: int | None = None,
+          line: str = "", **kw) -> Place:
+    """A busy rank's ``where`` reply, with what the test does not care about left out."""
+    return Place(collective=collective, group_ranks=list(group_ranks), peer=peer, seq=seq, stack=[], line=line,
+                 busy=True, **kw)
 
 
-COMPUTING = Seen(answered=True, collective=None, line="line 3: x = heavy()")
+def blocked(collective: str, group=(0, 1), seq: int | None = 5, peer: int | None = None) -> Place:
+    return place(collective=collective, group_ranks=group, seq=seq, peer=peer, line="line 2: ...")
+
+
+COMPUTING = place(collective=None, line="line 3: x = heavy()")
 
 
 def cell(**kw) -> Cell:
@@ -71,9 +78,9 @@ def test_a_long_computation_while_others_finished_is_left_alone():
     assert Judge().judge(cell(busy=(0,), first_finished=0.0), {0: COMPUTING}, now=60.0).action == "wait"
 
 
-def in_backward(group_seq: int | None) -> Seen:
+def in_backward(group_seq: int | None) -> Place:
     """A rank in ``loss.backward()`` of a DDP model: no torch.distributed call on its stack."""
-    return Seen(answered=True, collective=None, line="line 4: loss.backward()", group_seq=group_seq, in_backward=True)
+    return place(collective=None, line="line 4: loss.backward()", group_seq=group_seq, in_backward=True)
 
 
 def test_a_rank_that_started_a_collective_in_cpp_which_a_failed_rank_never_entered_is_torn_down_on_it():
@@ -101,7 +108,7 @@ def test_a_rank_ahead_outside_backward_is_left_alone():
     # the count includes point-to-point calls: ranks 0 and 1 that sent to each other earlier
     # stay ahead of rank 2 for good, and may compute for long while it is idle
     c = Cell(ranks=(0, 1, 2), world=(0, 1, 2), busy=(0, 1), first_finished=0.0, idle_seqs={2: 3})
-    computing = Seen(answered=True, collective=None, line="line 3: x = heavy()", group_seq=9)
+    computing = place(collective=None, line="line 3: x = heavy()", group_seq=9)
     assert Judge().judge(c, {0: computing, 1: computing}, now=60.0).action == "wait"
 
 
@@ -123,10 +130,10 @@ def test_an_interrupt_of_a_rank_ahead_of_an_idle_rank_is_one_keyboard_interrupt(
 DDP_INIT = "DistributedDataParallel(...) / _verify_param_shape_across_processes / _verify_params_across_processes"
 
 
-def in_native(group_seq: int | None, group=(0, 1), call: str = DDP_INIT) -> Seen:
+def in_native(group_seq: int | None, group=(0, 1), call: str = DDP_INIT) -> Place:
     """A rank in ``DDP(model)``: its constructor's collective runs in C++, called from torch's
     distributed code, with no torch.distributed collective on the stack."""
-    return Seen(answered=True, collective=None, group_ranks=tuple(group), line="line 1: m = DDP(model)",
+    return place(collective=None, group_ranks=group, line="line 1: m = DDP(model)",
                 group_seq=group_seq, native=call)
 
 
@@ -186,7 +193,7 @@ def test_a_sub_group_collective_missing_a_finished_member_is_torn_down():
 
 
 def test_group_creation_that_a_left_out_rank_never_enters_is_ended_on_the_waiting_rank_too():
-    waiting = Seen(answered=True, collective="new_group", group_ranks=WORLD, store_wait=True, line="line 1: ...")
+    waiting = place(collective="new_group", group_ranks=WORLD, store_wait=True, line="line 1: ...")
     v = Judge().judge(cell(ranks=(0,), busy=(0,)), {0: waiting}, now=10.0)
     # the idle rank's teardown cannot reach a wait in the rendezvous store: rank 0 ends its own
     assert v.action == "teardown" and v.teardown_on == (0, 1)
@@ -196,7 +203,7 @@ def test_group_creation_that_a_left_out_rank_never_enters_is_ended_on_the_waitin
 
 def test_a_rank_that_does_not_answer_is_never_torn_down_for():
     c = cell(busy=(0,), first_finished=0.0)
-    assert Judge().judge(c, {0: Seen(answered=False)}, now=60.0).action == "wait"
+    assert Judge().judge(c, {0: None}, now=60.0).action == "wait"
 
 
 # ------------------------------------------------------ rule 3: mismatched collectives
@@ -270,7 +277,7 @@ def test_an_interrupt_that_ends_one_rank_frees_the_other_and_both_report_the_int
 
 def test_a_rank_that_stopped_and_is_still_showing_its_traceback_is_waited_for_not_left_behind():
     c = cell(busy=(0, 1), interrupted_at=10.0)
-    reporting = Seen(answered=True, collective=None, in_code=False)
+    reporting = place(collective=None, in_code=False)
     v = Judge().judge(c, {0: reporting, 1: COMPUTING}, now=15.0)
     assert v.action == "abandon" and list(v.stuck) == [1]  # rank 1's code still runs
     assert Judge().judge(cell(busy=(0,), interrupted_at=10.0), {0: reporting}, now=15.0).action == "wait"
@@ -278,7 +285,7 @@ def test_a_rank_that_stopped_and_is_still_showing_its_traceback_is_waited_for_no
 
 
 def test_a_rank_is_called_silent_only_when_it_missed_two_looks_in_a_row():
-    judge, quiet = Judge(), {0: Seen(answered=False)}
+    judge, quiet = Judge(), {0: None}
     assert judge.silent(quiet) == []  # the first miss: a loaded machine answers late
     judge.judge(cell(), quiet, now=5.0)
     assert judge.silent(quiet) == [0]

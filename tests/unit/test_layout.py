@@ -83,3 +83,18 @@ def test_every_launcher_value_names_a_gang_launcher_and_each_remote_one_a_node_s
     assert set(GANG_LAUNCHERS) == set(LAUNCHERS)
     assert set(NODE_STARTERS) == set(LAUNCHERS) - {"local"}
     assert all(cls.kind == name for name, cls in NODE_STARTERS.items())
+
+
+def test_no_module_is_over_600_lines_and_no_class_over_400():
+    """Issue 27: a module or a class past these sizes is split where its parts meet (ruff's C901
+    keeps each function under a complexity of 15 the same way)."""
+    too_big = []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        if len(text.splitlines()) > 600:
+            too_big.append(f"{_module_name(path)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None \
+                    and node.end_lineno - node.lineno + 1 > 400:
+                too_big.append(f"{_module_name(path)}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert too_big == []

@@ -14,7 +14,7 @@ import pytest
 import zmq
 from zmq.eventloop.zmqstream import ZMQStream
 
-from dist_kernel.parent.kernel import DistributedKernel
+from dist_kernel.parent.replies import always_reply
 
 
 @pytest.mark.parametrize("transport", ["inproc://shell", "ipc://{tmp}/shell"])
@@ -37,7 +37,7 @@ def test_a_request_that_arrives_while_a_reply_is_sent_raw_is_still_read(transpor
                 sock.send_multipart([ident, b"execute_reply"])  # ...and the raw reply takes its edge
 
         kernel = SimpleNamespace(log=None, session=None)
-        handle = DistributedKernel._always_reply(kernel, "execute_request", execute_request)
+        handle = always_reply(kernel, "execute_request", execute_request)
         stream.on_recv(lambda frames: handle(stream, frames[0], frames[-1]))
         frontend.send(b"first cell")
         for _ in range(100):

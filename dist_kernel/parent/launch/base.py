@@ -105,6 +105,11 @@ class GangLauncher(abc.ABC):
         """How the launching itself failed (srun/ssh, the node starter's processes, ended), or None."""
         return None
 
+    def sample(self, on: bool) -> None:
+        """Whether the ranks' load is sampled where they run (``%dist_top``): remote launchers ask
+        their node agents; on this machine the parent samples them itself, so nothing to do."""
+        return None
+
     @abc.abstractmethod
     def state(self) -> dict:
         """What an outsider (the reaper, the next kernel's sweep) needs to end this gang."""

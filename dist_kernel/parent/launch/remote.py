@@ -97,6 +97,7 @@ class AgentListener:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._beat: asyncio.TimerHandle | None = None
         self._closed = False
+        self.sampling = False  # the beats ask the agents for their ranks' load (%dist_top)
 
     def bind(self, address: str) -> int:
         """Listen on ``address`` (a port from --port-range if given); the port."""
@@ -182,7 +183,7 @@ class AgentListener:
         for node in self.nodes.values():
             if node.lost:
                 continue
-            self._to_node(node.index, tunnel.pack_ctl(self.keys["hmac_key"], {"type": "beat"}))
+            self._to_node(node.index, tunnel.pack_ctl(self.keys["hmac_key"], {"type": "beat", "sample": self.sampling}))
             if now - node.last_heard > tunnel.LOST_AFTER:
                 node.lost = f"silent for {now - node.last_heard:.1f}s"
                 self.on_event(node.index, {"type": "lost", "silent": now - node.last_heard})
@@ -287,6 +288,7 @@ class RemoteRank:
         self.state = ""
         self.log = ""
         self.gone = ""  # why the rank is gone without an exit code (its node was lost)
+        self.load: dict | None = None  # its agent's latest load sample (dist_kernel.load), while sampled
 
     @property
     def pid(self) -> int | None:
@@ -507,6 +509,8 @@ class RemoteLauncher(GangLauncher):
             for rank_text, st in event.get("ranks", {}).items():
                 proc = self.processes.get(int(rank_text))
                 state = str(st.get("state") or "")
+                if proc is not None:
+                    proc.load = st.get("load")  # present only while the parent asks (sample)
                 if proc is not None and proc.state != state:
                     proc.state = state
                     self.on_change(proc)
@@ -534,6 +538,10 @@ class RemoteLauncher(GangLauncher):
                 self.processes[r].gone = f"was lost with its node {host} (silent for {event['silent']:.0f}s)"
             self.on_fault(RemoteCause("lost", f"node {node} ({host}) stopped answering for {event['silent']:.0f}s "
                                               "(link down, the node agent killed, or the Slurm job ended)", ranks))
+
+    def sample(self, on: bool) -> None:
+        if self.listener is not None:
+            self.listener.sampling = on
 
     def failure(self) -> str | None:
         if self.stopped or self.node_starter is None:

@@ -19,6 +19,7 @@ and the reaper (or the next sweep) ends them and cancels the job (cleanup.end_la
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shlex
@@ -301,42 +302,39 @@ class NodeStarter:
             with self._lock:
                 children = list(self._children)
             for c in children:  # EOF: the agents end their ranks and themselves
-                try:
+                with contextlib.suppress(OSError):
                     if c.popen.stdin is not None:
                         c.popen.stdin.close()
-                except OSError:
-                    pass
-            killed = False
-            for sig, wait in ((None, STOP_GRACE), (signal.SIGTERM, STOP_TERM_WAIT),
-                              (signal.SIGKILL, STOP_KILL_WAIT)):
-                running = [c for c in children if c.popen.poll() is None]
-                if not running:
-                    break
-                if sig is not None:
-                    killed = killed or sig == signal.SIGKILL
-                    for c in running:
-                        try:
-                            c.popen.send_signal(sig)
-                        except OSError:
-                            pass
-                deadline = time.monotonic() + wait
-                while time.monotonic() < deadline and any(c.popen.poll() is None for c in running):
-                    time.sleep(0.02)
-            self._cancel(killed)
+            self._cancel(_end_processes(children))
             for c in children:
                 if c.reader is not None:
                     c.reader.join(timeout=0.5)
-                if c.popen.stdout is not None:
-                    try:
+                with contextlib.suppress(OSError):
+                    if c.popen.stdout is not None:
                         c.popen.stdout.close()
-                    except OSError:
-                        pass
             self._stopped = True
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.runtime_dir, LAUNCH_FILE))
-            except OSError:
-                pass
             self.log.info("%s node starter stopped in %.2fs", self.kind, time.monotonic() - t0)
 
     def _cancel(self, srun_killed: bool) -> None:
         """Slurm: cancel the kernel's job (or its leftover step in the user's allocation)."""
+
+
+def _end_processes(children: Sequence[StarterProcess]) -> bool:
+    """Wait for the starter processes to end, then SIGTERM, then SIGKILL those still running,
+    each after its grace; True when any got SIGKILL (a killed srun may leave its job step: cancelled then)."""
+    killed = False
+    for sig, wait in ((None, STOP_GRACE), (signal.SIGTERM, STOP_TERM_WAIT), (signal.SIGKILL, STOP_KILL_WAIT)):
+        running = [c for c in children if c.popen.poll() is None]
+        if not running:
+            break
+        if sig is not None:
+            killed = killed or sig == signal.SIGKILL
+            for c in running:
+                with contextlib.suppress(OSError):
+                    c.popen.send_signal(sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(c.popen.poll() is None for c in running):
+            time.sleep(0.02)
+    return killed
