@@ -47,7 +47,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if lane == "cluster":
             item.add_marker(pytest.mark.lab)
-    if not config.option.collectonly and any(uses_lab(i) for i in items):
+    # not in a pytest-xdist worker: the workers collect at once, and one holding the lab from its
+    # collection would keep the other's collection, and so the whole session, waiting forever;
+    # a worker takes the lab before its first lab test instead (pytest_runtest_setup)
+    if not config.option.collectonly and not os.environ.get("PYTEST_XDIST_WORKER") \
+            and any(uses_lab(i) for i in items):
         hold_lab()
 
 

@@ -47,6 +47,15 @@ class Result:
     def of_type(self, msg_type: str) -> list[Output]:
         return [o for o in self.outputs if o.msg_type == msg_type]
 
+    def explain(self) -> str:
+        """The cell's reply, errors and streams in full, for an assertion message (a repr of the
+        outputs is cut short before the traceback that says why a cell failed)."""
+        errors = ["".join(f"{e.content['ename']}: {e.content['evalue']}\n" + "\n".join(e.content["traceback"]))
+                  for e in self.of_type("error")]
+        return (f"status {self.status}; reply {self.reply.get('ename', '')} {self.reply.get('evalue', '')}\n"
+                f"--- errors\n{chr(10).join(errors)}\n--- stdout\n{self.stream()[-4000:]}\n"
+                f"--- stderr\n{self.stream('stderr')[-4000:]}")
+
 
 def visible(outputs: list[tuple[str, dict]]) -> str:
     """What a frontend shows at the end, replaying outputs as JupyterLab does: clear_output

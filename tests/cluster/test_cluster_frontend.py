@@ -87,7 +87,7 @@ def test_fastai_trains_data_parallel_across_the_nodes(remote2):
     import json
 
     res = remote2.execute(FASTAI, timeout=300)
-    assert res.status == "ok", res.outputs
+    assert res.status == "ok", res.explain()
     lines = [ln.split("] ", 1)[-1] for ln in res.stream().splitlines() if ln.strip().endswith("}")]
     rows = [json.loads(ln) for ln in lines] or [json.loads(res.stream())]
     # one merged line: every rank trained under DDP on half the batches, and ends with the same weights

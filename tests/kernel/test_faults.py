@@ -78,7 +78,11 @@ def test_a_long_backward_on_one_rank_while_the_other_finished_is_left_alone(faul
                                "        @staticmethod\n        def backward(ctx, g):\n"
                                "            time.sleep(5)\n            return g * 2\n"
                                "    Slow.apply(x).sum().backward()\nprint('done')", timeout=60)
-    assert res.status == "ok" and res.stream() == "done\n"
+    # rank 0 is silent for the 5 s that the merger waits for a lagging twin (LAG_BOUND), so its
+    # "done" may come labelled beside rank 1's: what counts is that nothing was torn down
+    assert res.status == "ok", res.explain()
+    assert {line.split("] ", 1)[-1] for line in res.stream().splitlines()} == {"done"}, res.explain()
+    assert not res.of_type("error") and "tearing" not in res.stream("stderr")
 
 
 def test_a_collective_in_a_single_rank_cell_is_reported_with_its_stack(fault_kernel):
@@ -289,13 +293,16 @@ def test_every_rank_has_its_own_key_and_the_sockets_are_local(kernel2):
 
 
 # ------------------------------------------------------------------ 7, 8: floods and soak
-def test_a_flood_of_a_million_lines_on_each_of_four_ranks_stays_bounded_and_delivers_the_end():
+def test_a_flood_of_lines_on_each_of_four_ranks_stays_bounded_and_delivers_the_end():
+    # 300,000 lines a rank: 8 MB in all, 8 times the burst, enough to spill (test_wedges prints a
+    # million lines at 2 ranks; a million at 4 ranks proves nothing more and takes 100 s)
+    lines = 300_000
     k = DistKernel("--ranks", "4")
     try:
         k.execute("x = 1")
         parent = psutil.Process(k.pid)
         t0 = time.monotonic()
-        res = k.execute("for i in range(1_000_000):\n    print(i)\nprint('the end', rank)", timeout=600)
+        res = k.execute(f"for i in range({lines}):\n    print(i)\nprint('the end', rank)", timeout=600)
         took = time.monotonic() - t0
         assert res.status == "ok"
         shown = sum(len(o.content["text"]) for o in res.of_type("stream"))
@@ -308,7 +315,7 @@ def test_a_flood_of_a_million_lines_on_each_of_four_ranks_stays_bounded_and_deli
         spill = notes.split("saved in full to ")[1].split(" and")[0]
         with open(spill) as f:
             saved_lines = sum(1 for _ in f)
-        assert saved_lines + res.stream("stdout").count("\n") >= 1_000_000  # nothing lost: it is on disk
+        assert saved_lines + res.stream("stdout").count("\n") >= lines  # nothing lost: it is on disk
         os.unlink(spill)
         assert parent.memory_info().rss < 300 * 2**20
         assert k.execute("print('responsive')").stream() == "responsive\n"

@@ -1,11 +1,19 @@
-"""A real JupyterLab in a real browser (issue 3).
+"""A real JupyterLab in a real browser (issues 3 and 28).
 
 Starts JupyterLab on loopback with the Distributed Python kernelspec installed into a temporary
-prefix, opens it in headless Chromium (Debian's ``chromium`` driven by Playwright's Python package),
-picks "Distributed Python" from the launcher, runs a cell that prints the rank and checks the merged
-output on the page, presses the stop button during a long cell and checks that the cell ends and the
-kernel stays usable. Screenshots land in the ``artifacts`` dir; the merged-output one is also copied
-to ``docs/jupyterlab.png`` (shown in the README).
+prefix (one server for the module; each test opens its own notebook, and so its own kernel, and
+shuts it down) and drives it in headless Chromium (Debian's ``chromium`` driven by Playwright's
+Python package):
+
+- picks "Distributed Python" from the launcher, runs a cell that prints the rank and checks the
+  merged output on the page, presses the stop button during a long cell and checks that the cell
+  ends and the kernel stays usable, and checks the ranks' widgets;
+- JupyterLab's debugger on rank 1 (``%dist_debug 1``): the bug button, a breakpoint clicked in the
+  cell's gutter, the cell stopped there with rank 1's variables in the debugger's Variables panel,
+  continue, and the cell's merged output.
+
+Screenshots land in the ``artifacts`` dir; with ``DIST_KERNEL_UPDATE_DOCS=1`` the README's pictures
+``docs/jupyterlab.png`` and ``docs/debugger.png`` are refreshed from them.
 
 Needs ``/usr/bin/chromium``, ``playwright`` and ``jupyterlab`` (``.ci/install-browser.sh``): when
 they are missing the test fails, it does not skip.
@@ -132,6 +140,21 @@ class Lab:
             for p in _tree(self.proc.pid):
                 self.procs_seen[p.pid] = p
 
+    def shutdown_kernels(self, timeout: float = 30) -> None:
+        """Shut down every kernel of the server (a test's notebook kernel) and wait for its processes
+        to end; any that do not are reported by :meth:`stop`."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.remember_processes()
+        api = f"http://127.0.0.1:{self.port}/api/kernels"
+        with urllib.request.urlopen(api, timeout=10) as r:
+            kernels = json.load(r)
+        for kernel in kernels:
+            with urllib.request.urlopen(urllib.request.Request(f"{api}/{kernel['id']}", method="DELETE"),
+                                        timeout=timeout):
+                pass
+        psutil.wait_procs([p for p in _tree(self.proc.pid) if p.pid != self.proc.pid], timeout=timeout)
+
     def stop(self) -> list[str]:
         """SIGTERM the server (it shuts its kernels down), then make sure nothing it started is left."""
         if self.proc is None:
@@ -172,12 +195,27 @@ def running_lab(tmp: Path):
     assert not (ok and leftovers), f"processes left behind after JupyterLab stopped: {leftovers}\n{server.log()}"
 
 
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory):
+    """One JupyterLab server for the module's tests: (server, url)."""
+    _require()
+    with running_lab(tmp_path_factory.mktemp("jupyterlab")) as lab:
+        yield lab
+
+
+@pytest.fixture
+def lab(jupyterlab):
+    """The module's server, with the test's kernels shut down after it (no idle ranks beside the next test's)."""
+    yield jupyterlab
+    jupyterlab[0].shutdown_kernels()
+
+
 def _cell(page, index: int):
     return page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell").nth(index)
 
 
-def _run_cell(page, index: int, code: str) -> None:
-    """Type ``code`` into cell ``index`` (creating it if needed) and Shift+Enter it."""
+def _type_cell(page, index: int, code: str) -> None:
+    """Type ``code`` into cell ``index`` (creating it if needed), leaving it the active cell."""
     cells = page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell")
     while cells.count() <= index:
         _cell(page, cells.count() - 1).locator(".jp-InputArea-prompt").click()
@@ -187,6 +225,11 @@ def _run_cell(page, index: int, code: str) -> None:
     editor = _cell(page, index).locator(".cm-content")
     editor.click()
     page.keyboard.insert_text(code)  # no key events: no auto-closed brackets or auto-indent
+
+
+def _run_cell(page, index: int, code: str) -> None:
+    """Type ``code`` into cell ``index`` (creating it if needed) and Shift+Enter it."""
+    _type_cell(page, index, code)
     page.keyboard.press("Shift+Enter")
 
 
@@ -229,20 +272,40 @@ def _wait_kernel_idle(page, timeout: float) -> None:
     raise AssertionError(f"{DISPLAY_NAME} kernel not idle after {timeout:.0f}s (name, status: {state})")
 
 
-def test_jupyterlab_launcher_merged_output_and_interrupt(tmp_path, artifacts):
-    _require()
-    with running_lab(tmp_path) as (server, url):
-        _drive(server, url, artifacts)
-
-
-def _drive(server: Lab, url: str, artifacts: Path) -> None:
+@contextlib.contextmanager
+def _browser_page(server: Lab, shots: Path, viewport: dict[str, int]):
+    """A page in headless Chromium. On failure its screenshot, HTML, console log and the server's log
+    land in ``shots``; afterwards the Playwright driver and Chromium must be gone (the server and its
+    kernels are not this function's)."""
     from playwright.sync_api import sync_playwright
 
+    shots.mkdir(parents=True, exist_ok=True)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     try:
-        _drive_browser(server, url, artifacts, sync_playwright)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(
+                executable_path=CHROMIUM, headless=True,
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-dev-shm-usage",
+                      "--no-first-run", "--disable-extensions", "--disable-component-update"])
+            page = browser.new_page(viewport=viewport)
+            console: list[str] = []
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            page.set_default_timeout(30_000)
+            try:
+                yield page
+            except BaseException:
+                try:
+                    page.screenshot(path=str(shots / "failure.png"))
+                    (shots / "failure.html").write_text(page.content())
+                except Exception:  # noqa: BLE001 - best effort; keep the original error
+                    pass
+                (shots / "browser-console.log").write_text("\n".join(console))
+                raise
+            finally:
+                server.remember_processes()
+                shutil.copyfile(server.log_path, shots / "jupyterlab.log")
+                browser.close()
     finally:
-        # the Playwright driver and Chromium must be gone too (the server and its kernels are not ours here)
         skip = before | {p.pid for p in _tree(server.proc.pid)}
         mine = [p for p in psutil.Process().children(recursive=True) if p.pid not in skip]
         _gone, alive = psutil.wait_procs(mine, timeout=10)
@@ -251,30 +314,34 @@ def _drive(server: Lab, url: str, artifacts: Path) -> None:
     assert not alive, f"browser processes left behind: {[p.pid for p in alive]}"
 
 
-def _drive_browser(server: Lab, url: str, artifacts: Path, sync_playwright) -> None:
-    shots = artifacts / "jupyterlab"
-    shots.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-dev-shm-usage",
-                  "--no-first-run", "--disable-extensions", "--disable-component-update"])
-        page = browser.new_page(viewport={"width": 1200, "height": 760})
-        console: list[str] = []
-        timings: dict[str, float] = {}
-        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-        page.set_default_timeout(30_000)
-        try:
-            page.goto(f"{url}/lab", wait_until="domcontentloaded")
-            card = page.locator(CARD)
-            card.wait_for(state="visible", timeout=60_000)
-            t_click = time.monotonic()
-            card.click()
+def _open_notebook(page, server: Lab, url: str) -> float:
+    """A new notebook with the Distributed Python kernel, from the launcher of a fresh workspace
+    (``?reset``: not the tabs an earlier test left open); the seconds until its kernel was idle."""
+    page.goto(f"{url}/lab?reset", wait_until="domcontentloaded")
+    card = page.locator(CARD)
+    card.wait_for(state="visible", timeout=60_000)
+    t_click = time.monotonic()
+    card.click()
+    page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell .cm-content").first.wait_for()
+    _wait_kernel_idle(page, timeout=90)
+    server.remember_processes()
+    return round(time.monotonic() - t_click, 1)
 
-            page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell .cm-content").first.wait_for()
-            _wait_kernel_idle(page, timeout=90)
-            timings["kernel_ready_s"] = round(time.monotonic() - t_click, 1)
-            server.remember_processes()
+
+def _update_docs(shot: Path, name: str) -> None:
+    """Refresh the README's picture ``docs/<name>`` from ``shot``, on request only."""
+    if os.environ.get("DIST_KERNEL_UPDATE_DOCS"):
+        (REPO / "docs").mkdir(exist_ok=True)
+        shutil.copyfile(shot, REPO / "docs" / name)
+
+
+def test_jupyterlab_launcher_merged_output_and_interrupt(lab, artifacts):
+    server, url = lab
+    shots = artifacts / "jupyterlab"
+    timings: dict[str, float] = {}
+    with _browser_page(server, shots, {"width": 1200, "height": 760}) as page:
+        try:
+            timings["kernel_ready_s"] = _open_notebook(page, server, url)
 
             # 1. merged output: the identical line once, the differing ones labelled with their rank
             _run_cell(page, 0, "print('hello from', rank); print('same everywhere')")
@@ -336,20 +403,179 @@ def _drive_browser(server: Lab, url: str, artifacts: Path, sync_playwright) -> N
             _wait_prompt_done(page, 5, timeout=30)
             assert _output(page, 5).strip() == "4", _output(page, 5)  # unlabelled: every rank has 4
             page.screenshot(path=str(shots / "shared-slider.png"))
-            if os.environ.get("DIST_KERNEL_UPDATE_DOCS"):  # refresh the README's picture on request
-                (REPO / "docs").mkdir(exist_ok=True)
-                shutil.copyfile(shots / "shared-slider.png", REPO / "docs" / "jupyterlab.png")
-        except BaseException:
-            try:
-                page.screenshot(path=str(shots / "failure.png"))
-                (shots / "failure.html").write_text(page.content())
-            except Exception:  # noqa: BLE001 - best effort; keep the original error
-                pass
-            (shots / "browser-console.log").write_text("\n".join(console))
-            shutil.copyfile(server.log_path, shots / "jupyterlab.log")
-            raise
+            _update_docs(shots / "shared-slider.png", "jupyterlab.png")
         finally:
             (shots / "timings.json").write_text(json.dumps(timings) + "\n")
-            server.remember_processes()
-            browser.close()
-    shutil.copyfile(server.log_path, shots / "jupyterlab.log")
+
+
+#: the debugged cell: stopped at line 2, rank 1 has x (10) and not yet y
+DEBUG_CELL = "x = rank * 10\ny = x + 1\nprint(y)"
+BREAK_LINE = 2
+#: the debugger's state on the page: the call stack's frames ("name location") and the Variables
+#: panel's top-level variables (name -> value as shown)
+DEBUGGER_STATE_JS = """() => ({
+  frames: [...document.querySelectorAll('.jp-DebuggerCallstack .jp-DebuggerCallstackFrame')]
+    .map(f => f.innerText.replace(/\\s+/g, ' ').trim()),
+  variables: Object.fromEntries([...document.querySelectorAll('.jp-DebuggerVariables .jp-DebuggerVariables-name')]
+    .map(n => [n.textContent.trim(),
+               n.nextElementSibling && n.nextElementSibling.classList.contains('jp-DebuggerVariables-detail')
+                 ? n.nextElementSibling.textContent.trim() : ''])),
+})"""
+
+
+def _kernel_message(payload: str | bytes) -> dict | None:
+    """A kernel message from a frame of JupyterLab's kernel websocket (the v1 binary protocol:
+    offsets, then channel, header, parent header, metadata, content), or None."""
+    try:
+        if isinstance(payload, str):
+            return json.loads(payload)
+        count = int.from_bytes(payload[:8], "little")
+        offsets = [int.from_bytes(payload[8 + 8 * i:16 + 8 * i], "little") for i in range(count)]
+        parts = [payload[offsets[i]:offsets[i + 1]] for i in range(min(count - 1, 5))]
+        return {"channel": parts[0].decode(), "header": json.loads(parts[1]), "parent_header": json.loads(parts[2]),
+                "content": json.loads(parts[4])}
+    except (ValueError, IndexError, UnicodeDecodeError):
+        return None
+
+
+class DebugTraffic:
+    """The kernel's debug and execute messages on a page's websockets: a failure's evidence, and
+    which ``debug_request``s still wait for their reply."""
+
+    def __init__(self, page) -> None:
+        self.t0 = time.monotonic()
+        self.lines: list[str] = []
+        self.pending: set[str] = set()
+        page.on("websocket", lambda ws: (ws.on("framesent", lambda p: self._keep(">>", p)),
+                                         ws.on("framereceived", lambda p: self._keep("<<", p))))
+
+    def _keep(self, direction: str, payload: str | bytes) -> None:
+        msg = _kernel_message(payload)
+        kind = msg and msg.get("header", {}).get("msg_type", "")
+        if not kind or not (kind.startswith("debug_") or kind.startswith("execute_")):
+            return
+        if kind == "debug_request":
+            self.pending.add(msg["header"].get("msg_id", ""))
+        elif kind == "debug_reply":
+            self.pending.discard((msg.get("parent_header") or {}).get("msg_id", ""))
+        self.lines.append(f"{time.monotonic() - self.t0:7.2f} {direction} {kind} {json.dumps(msg.get('content'))[:600]}")
+
+    def wait_settled(self, page, quiet: float = 1.0, timeout: float = 30) -> None:
+        """Wait until no debug request has been waiting for its reply for ``quiet`` seconds: the
+        frontend's breakpoint updates done (one still on its way could undo a newer one)."""
+        deadline = time.monotonic() + timeout
+        settled_since = None
+        while time.monotonic() < deadline:
+            page.wait_for_timeout(100)  # lets Playwright deliver the websocket events
+            if self.pending:
+                settled_since = None
+            elif settled_since is None:
+                settled_since = time.monotonic()
+            elif time.monotonic() - settled_since >= quiet:
+                return
+        raise AssertionError(f"debug requests still unanswered after {timeout:.0f}s: {len(self.pending)}")
+
+
+def _debugger_state(page) -> dict:
+    return page.evaluate(DEBUGGER_STATE_JS)
+
+
+def _enable_debugger(page) -> None:
+    """The bug button of the notebook's toolbar: the debugger sidebar opens beside the notebook."""
+    panel = page.locator(".jp-NotebookPanel:visible")
+    bug = panel.locator(".jp-DebuggerBugButton")
+    bug.wait_for()
+    page.wait_for_function(  # enabled once JupyterLab knows the kernel can debug (kernel_info: debugger)
+        "() => document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-DebuggerBugButton')"
+        ".getAttribute('aria-disabled') !== 'true'", timeout=30_000)
+    if bug.get_attribute("aria-pressed") != "true":
+        bug.click()
+    panel.locator(".jp-DebuggerBugButton[aria-pressed='true']").wait_for(timeout=30_000)
+    page.locator(".jp-DebuggerSidebar").wait_for(state="visible")
+
+
+def _toggle_breakpoint(page, index: int, line: int) -> None:
+    """Click the breakpoint gutter of cell ``index`` beside its line ``line``; wait until the
+    debugger's Breakpoints panel lists it."""
+    cell = _cell(page, index)
+    box = cell.locator(".cm-line").nth(line - 1).bounding_box()
+    gutter = cell.locator(".cm-gutter.cm-breakpoint-gutter").bounding_box()
+    assert box and gutter, f"cell {index}: no line {line} or no breakpoint gutter (debugger not enabled?)"
+    page.mouse.click(gutter["x"] + gutter["width"] / 2, box["y"] + box["height"] / 2)
+    page.locator(".jp-DebuggerBreakpoints .jp-DebuggerBreakpoint-line", has_text=str(line)).first.wait_for(
+        timeout=10_000)
+
+
+def _wait_stopped(page, index: int, line: int, variable: str, timeout: float = 60) -> dict:
+    """Wait until the debugged rank is stopped at ``line`` of cell ``index`` with its variables shown:
+    the call stack's top frame is that line, and the Variables panel lists ``variable``, one that the
+    cell made before that line (the panel shows the kernel's globals before the cell runs too). The
+    debugger's state then; an AssertionError with what the page shows when it does not stop."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(
+            f"() => {{ const s = ({DEBUGGER_STATE_JS})(); "
+            f"return s.frames.length > 0 && s.frames[0].endsWith(':{line}') && {variable!r} in s.variables; }}",
+            timeout=timeout * 1000)
+    except PlaywrightTimeout:
+        raise AssertionError(f"the debugger did not stop at line {line} with the variables shown within "
+                             f"{timeout:.0f}s: {_debugger_state(page)}; cell prompt {_prompt(page, index)!r}, "
+                             f"output {_output(page, index)!r}") from None
+    return _debugger_state(page)
+
+
+def test_jupyterlab_debugger_stops_rank_1_at_a_gutter_breakpoint(lab, artifacts):
+    """Issue 28: with ``%dist_debug 1``, JupyterLab's debugger stops rank 1 at a breakpoint clicked
+    in the cell's gutter and shows rank 1's variables; continue finishes the cell on every rank."""
+    server, url = lab
+    shots = artifacts / "jupyterlab-debugger"
+    with _browser_page(server, shots, {"width": 1400, "height": 900}) as page:
+        traffic = DebugTraffic(page)
+        try:
+            _debug_rank_1(page, server, url, shots, traffic)
+        finally:
+            (shots / "debug-messages.log").write_text("\n".join(traffic.lines) + "\n")
+
+
+def _debug_rank_1(page, server: Lab, url: str, shots: Path, traffic: DebugTraffic) -> None:
+    _open_notebook(page, server, url)
+    page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").click()  # fold the file browser
+    _run_cell(page, 0, "%dist_debug 1")
+    _wait_prompt_done(page, 0, timeout=30)
+    assert _output(page, 0).strip() == "debugger: rank 1", _output(page, 0)
+    # the cell's code first: typed while the debugger is on, each change sends the cell's breakpoints
+    # again, and one of those still on its way could undo the breakpoint clicked next
+    _type_cell(page, 1, DEBUG_CELL)
+
+    _enable_debugger(page)
+    page.locator(".jp-DebuggerVariables .jp-DebuggerVariables-name", has_text=re.compile(r"^rank$")).first.wait_for(
+        timeout=60_000)  # the debugger started on rank 1: its globals are shown
+    traffic.wait_settled(page)
+    _toggle_breakpoint(page, 1, BREAK_LINE)
+    traffic.wait_settled(page)
+    assert page.locator(".jp-DebuggerBreakpoints .jp-DebuggerBreakpoint").count() == 1, "the breakpoint went away"
+    _cell(page, 1).locator(".cm-content").click()  # cell 1 active
+    page.locator(".jp-NotebookPanel:visible .jp-Toolbar "
+                 "[data-command='notebook:run-cell-and-select-next']").click()
+
+    state = _wait_stopped(page, 1, BREAK_LINE, "x")
+    variables = state["variables"]
+    assert variables.get("rank") == "1", state  # rank 1's, not rank 0's
+    assert variables.get("x") == "10", state
+    assert "y" not in variables, state  # stopped before line 2 ran
+    assert _prompt(page, 1) == "[*]:", _prompt(page, 1)
+    page.screenshot(path=str(shots / "debugger.png"))
+    _update_docs(shots / "debugger.png", "debugger.png")
+
+    page.locator(".jp-DebuggerSidebar [data-command='debugger:continue']").click()
+    _wait_prompt_done(page, 1, timeout=30)
+    text = _output(page, 1)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    assert "[rank 0] 1" in lines, text
+    assert "[rank 1] 11" in lines, text
+    assert text.count("rank 1 is stopped at a breakpoint") == 1, text  # said once, never "hung"
+    assert "hung" not in text and "stuck" not in text, text
+    page.locator(".jp-DebuggerCallstack .jp-DebuggerCallstackFrame").first.wait_for(state="detached",
+                                                                                   timeout=10_000)
+    page.screenshot(path=str(shots / "debugger-continued.png"))
