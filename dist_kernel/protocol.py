@@ -46,6 +46,10 @@ META_RANKS = "ranks"
 #: execute_request and forwarded comm messages, parent -> rank: the frontend request's msg_id, the
 #: same on every rank (comms a rank opens for it are named after it: see dist_kernel.rank.widgets)
 META_CELL = "cell"
+#: execute_request, parent -> rank: the cell's source as the frontend sent it, where the code the
+#: rank runs differs (a ``%%rank`` line made a comment): the rank names the cell's file after it,
+#: the file JupyterLab's debugger dumped the cell to and set its breakpoints in
+META_SOURCE = "source"
 #: execute_reply, rank -> parent: how many IOPub messages the cell published before its reply
 META_IOPUB = "iopub"
 #: execute_reply, rank -> parent: the cell's error broke the process group (true)

@@ -43,7 +43,7 @@ from dist_kernel.parent.stdin import InputBroker
 from dist_kernel.parent.supervisor import RankSupervisor
 from dist_kernel.parent.throttle import OutputBudget
 from dist_kernel.parent.top import TopMonitor
-from dist_kernel.protocol import META_CELL, META_RANKS, with_meta
+from dist_kernel.protocol import META_CELL, META_RANKS, META_SOURCE, with_meta
 
 
 class DistributedKernel(OneRankRequests, Kernel):
@@ -219,7 +219,9 @@ class DistributedKernel(OneRankRequests, Kernel):
         # process would show once, from the cell's first rank
         # and the frontend's msg_id: comms the ranks open for it are named after it (widgets as one)
         meta = with_meta({"cellId": cell_id} if cell_id else {},
-                         {META_RANKS: list(plan.ranks), META_CELL: parent["header"]["msg_id"]})
+                         {META_RANKS: list(plan.ranks), META_CELL: parent["header"]["msg_id"],
+                          # the debugger's file of the cell is named after the source the frontend sent
+                          **({META_SOURCE: code} if plan.code != code else {})})
         # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
         ident = self._get_shell_context_var(self._shell_parent_ident)
         self._stdin = InputBroker(lambda prompt, pw: self._ask_frontend(prompt, pw, ident, parent),

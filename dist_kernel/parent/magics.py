@@ -102,12 +102,22 @@ def plan_cell(code: str, world_size: int) -> CellPlan:
             m = _RANK_LINE.match(lines[i])
             if m:
                 ranks = parse_rank_spec(m.group("spec") or "", world_size)
-                # keep line numbers and cursor offsets right: blank the magic line, same length (a
-                # blank line that starts a magic's body is dropped by IPython's own transform)
-                body = "\n".join(" " * len(line) if n < first or n == i else line for n, line in enumerate(lines))
+                # keep line numbers and cursor offsets right: the magic line becomes a comment of the
+                # same length. A blank line would be dropped by IPython's leading_empty_lines (every
+                # line number one off), and with the debugger on, which keeps that line, IPython's
+                # leading_indent would strip its width of spaces from the lines below it. Above
+                # another cell magic it is blanked, as that magic must come first.
+                above_magic = i + 1 < len(lines) and lines[i + 1].lstrip().startswith("%%")
+                body = "\n".join(" " * len(line) if n < first or (n == i and above_magic)
+                                 else _as_comment(line) if n == i else line for n, line in enumerate(lines))
                 return CellPlan(ranks=ranks, code=body, selected=True)
             i += 1
     return CellPlan(ranks=tuple(range(world_size)), code=code, selected=False)
+
+
+def _as_comment(line: str) -> str:
+    """A ``%%rank`` line as a comment of the same length (``%%rank 0`` -> ``# rank 0``)."""
+    return line.replace("%%", "# ", 1)
 
 
 def format_ranks(ranks: list[int] | tuple[int, ...]) -> str:

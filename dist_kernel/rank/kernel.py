@@ -61,7 +61,23 @@ class SharedNameCompiler(XCachingCompiler):
     each report the same warning from a different file, and nothing would merge."""
 
     def get_code_name(self, raw_code: str, code: str, number: int) -> str:
-        return cell_file(raw_code)
+        return cell_file(frontend_source(raw_code))
+
+
+def frontend_source(code: str) -> str:
+    """The source the frontend sent for the running cell, when ``code`` is the code the parent
+    made of it (its ``%%rank`` line a comment): JupyterLab's debugger dumped the cell to, and set
+    its breakpoints in, the file named after that source. Any other code is its own source."""
+    from IPython import get_ipython
+
+    kernel = getattr(get_ipython(), "kernel", None)
+    try:
+        request = kernel.get_parent("shell") if kernel is not None else {}
+    except Exception:  # noqa: BLE001 - no request in this context
+        request = {}
+    source = protocol.meta_of(request.get("metadata")).get(protocol.META_SOURCE)
+    sent = (request.get("content") or {}).get("code")
+    return source if isinstance(source, str) and sent == code else code
 
 
 def debugger_sees_shared_names() -> None:

@@ -109,7 +109,7 @@ def test_status_answers_for_a_rank_whose_cell_the_stop_button_did_not_end(kernel
     status = kernel.execute("%dist_status")
     table = status.of_type("display_data")[0].content["data"]["text/plain"]
     row1 = next(line for line in table.splitlines() if line.startswith("1 "))
-    assert "busy: line 4:" in row1 and "time.sleep(0.2)" in row1, table
+    assert "busy: line 5:" in row1 and "time.sleep(0.2)" in row1, table  # the cell's own line numbers
 
 
 def test_the_kernel_survives_a_wiped_namespace_on_every_rank():

@@ -161,6 +161,26 @@ def test_the_debug_adapter_protocol_on_one_rank(kernel, rank):
     assert shown.stream() == f"debugger: rank {rank}\n"
 
 
+def test_a_breakpoint_in_a_rank_selected_cell_stops_that_rank_and_keeps_the_indentation(kernel):
+    # the frontend dumps the cell as written, %%rank line included; the rank runs it with that line
+    # a comment, under the name of the source as written, and with the debugger on (which keeps a
+    # blank first line) its indented lines stay as they are
+    assert kernel.execute("%dist_debug 1").status == "ok"
+    fe = Frontend(kernel)
+    fe.start()
+    code = "%%rank 1\nfor i in range(2):\n    if i:\n        w = i + 40\nprint('w', w)\n"
+    source = fe.break_in(code, 4)
+    msg_id = kernel.kc.execute(code)
+    stopped = fe.event("stopped")
+    assert stopped["body"]["reason"] == "breakpoint"
+    frames = fe.request("stackTrace", {"threadId": stopped["body"]["threadId"]})["body"]["stackFrames"]
+    assert frames[0]["line"] == 4 and frames[0]["source"]["path"] == source, frames[0]
+    assert fe.request("continue", {"threadId": stopped["body"]["threadId"]})["success"]
+    reply, stdout, stderr = fe.cell_end(msg_id)
+    assert reply["status"] == "ok" and stdout == "w 41\n", (reply, stdout, stderr)
+    assert fe.request("disconnect", {"restart": False, "terminateDebuggee": False})["success"]
+
+
 def test_stop_ends_a_cell_whose_rank_is_stopped_at_a_breakpoint(kernel):
     assert kernel.execute("%dist_debug 0").status == "ok"
     fe = Frontend(kernel)
