@@ -1,5 +1,5 @@
 """Process helpers shared by the parent and the node agent: an exit status or a /proc state in
-words, and the end of a log file.
+words, the end of a log file, and a signal to a process's main thread.
 
 Both sides start rank processes (the parent on one machine, each node agent on its node) and
 describe them the same way; this module imports nothing of either, so the node agent never
@@ -9,6 +9,7 @@ loads the parent's kernel (jupyter_client's manager) to describe a process.
 from __future__ import annotations
 
 import signal
+import sys
 
 
 def describe_exit(code: int | None, *, oom_hint: bool = True) -> str:
@@ -56,3 +57,26 @@ def file_tail(path: str, lines: int = 30) -> str:
             return "".join(f.readlines()[-lines:])
     except OSError:
         return ""
+
+
+#: the tgkill system call's number, by machine (Python has no os.tgkill)
+_TGKILL = {"x86_64": 234, "aarch64": 131}
+
+
+def signal_main_thread(pid: int, signum: int) -> bool:
+    """Send ``signum`` to the main thread of process ``pid`` (Linux ``tgkill``); False where that
+    cannot be done.
+
+    A signal sent to a process goes to any of its threads that can take it. While the process is
+    stopped (SIGSTOP, a debugger), none can: the signal waits, and on SIGCONT the thread that
+    runs first takes it, often not the main thread. Python then only sets a flag, and a main thread
+    asleep in C (``time.sleep(40)``) sees it when it wakes by itself: the stop button seemed lost.
+    A signal sent to the main thread wakes it."""
+    import ctypes
+    import platform
+
+    number = _TGKILL.get(platform.machine())
+    if number is None or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(number, pid, pid, signum) == 0

@@ -23,7 +23,7 @@ from dist_kernel.parent.channels import SocketWire, Wire
 from dist_kernel.parent.launch.base import GangLauncher
 from dist_kernel.parent.reaper import write_pids
 from dist_kernel.placement import rank_env
-from dist_kernel.processes import describe_exit, file_tail, proc_state
+from dist_kernel.processes import describe_exit, file_tail, proc_state, signal_main_thread
 
 #: gloo and NCCL talk over loopback: every rank of a local kernel is on this machine
 LOOPBACK = "lo"
@@ -138,6 +138,10 @@ class LocalRank:
     async def send_signal(self, signum: int) -> None:
         if self.km.provisioner is not None and self.returncode is None:
             try:
+                if signum == signal.SIGINT and self.pid is not None:
+                    # the rank's main thread too: a stopped rank, once resumed, may hand the
+                    # group's SIGINT to another thread, which would leave the cell running
+                    signal_main_thread(self.pid, signum)
                 await self.km.provisioner.send_signal(signum)
             except OSError:  # gone meanwhile: poll() says so
                 pass
