@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from dist_kernel.parent.merge import CellMerger, render_cr
+from dist_kernel.parent.relay import IN_ORDER
 
 W = 0.1  # merge window used throughout
 
@@ -111,12 +112,18 @@ def per_rank(text: str, ranks) -> dict[int, list[str]]:
 
 
 def run_polled(merger: CellMerger, events, end: float, tick: float = 0.05):
-    """As ``run``, with the parent's poll every ``tick`` between events too."""
+    """As ``run``, with the parent's poll every ``tick`` between events too. Events of type
+    ``IN_ORDER`` (an ``Output`` widget's capture changes) go to ``add_in_order``, after the plain
+    events of the same moment, as the parent hands them over."""
+    plain = [e for e in events if e[2] != IN_ORDER]
+    in_order = [e for e in events if e[2] == IN_ORDER]
     ticks = [(i * tick, None, None, None) for i in range(int(end / tick))]
     out = []
-    for now, rank, msg_type, content in sorted(events + ticks, key=lambda e: e[0]):
+    for now, rank, msg_type, content in sorted(plain + in_order + ticks, key=lambda e: e[0]):
         merger.poll(now)
-        if rank is not None:
+        if msg_type == IN_ORDER:
+            merger.add_in_order(rank, msg_type, content, now)
+        elif rank is not None:
             merger.add(rank, msg_type, content, now)
         out += merger.take()
     for r in merger.ranks:

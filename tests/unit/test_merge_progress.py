@@ -9,13 +9,12 @@ from __future__ import annotations
 import re
 
 import pytest
-from merge_cases import W, final_displays, frontend, kinds, say, say_branch, streams
+from merge_cases import W, final_displays, frontend, kinds, run_polled, say, say_branch, streams
 
 from dist_kernel.parent.comms import CommRouter
 from dist_kernel.parent.merge import CellMerger
 from dist_kernel.parent.merge.units import progress_key
-
-IN_ORDER = "dist_kernel.in_order"  # the parent's name for a comm message kept in order
+from dist_kernel.parent.relay import IN_ORDER
 
 
 def tqdm_frame(n: int, total: int, rate: float, elapsed: int) -> str:
@@ -38,21 +37,7 @@ def clear(t: float, rank: int) -> tuple:
 
 def run(merger: CellMerger, events, end: float = 3.0, tick: float = 0.05) -> list:
     """As the parent drives a cell: capture changes in order (``add_in_order``), the rest merged."""
-    plain = [e for e in events if e[2] != IN_ORDER]
-    ticks = [(i * tick, None, None, None) for i in range(int(end / tick))]
-    out: list = []
-    for now, rank, msg_type, content in sorted(plain + [e for e in events if e[2] == IN_ORDER] + ticks,
-                                               key=lambda e: e[0]):
-        merger.poll(now)
-        if msg_type == IN_ORDER:
-            merger.add_in_order(rank, msg_type, content, now)
-        elif rank is not None:
-            merger.add(rank, msg_type, content, now)
-        out += merger.take()
-    for r in merger.ranks:
-        merger.rank_done(r, end)
-    merger.finish(end)
-    return out + merger.take()
+    return run_polled(merger, events, end, tick)
 
 
 def widget(out: list) -> tuple[list, list]:
