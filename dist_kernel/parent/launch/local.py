@@ -138,11 +138,12 @@ class LocalRank:
     async def send_signal(self, signum: int) -> None:
         if self.km.provisioner is not None and self.returncode is None:
             try:
-                if signum == signal.SIGINT and self.pid is not None:
-                    # the rank's main thread too: a stopped rank, once resumed, may hand the
-                    # group's SIGINT to another thread, which would leave the cell running
-                    signal_main_thread(self.pid, signum)
-                await self.km.provisioner.send_signal(signum)
+                # a stopped rank, once resumed, may hand the group's SIGINT to another thread,
+                # which would leave the cell running: it gets one, to its main thread, instead
+                # (one only: a second SIGINT could interrupt the user's own except clause)
+                if not (signum == signal.SIGINT and self.pid is not None and proc_state(self.pid) in ("T", "t")
+                        and signal_main_thread(self.pid, signum)):
+                    await self.km.provisioner.send_signal(signum)
             except OSError:  # gone meanwhile: poll() says so
                 pass
 
