@@ -13,6 +13,9 @@ DIR/gpu.json (default DIR: benchmarks/results):
    run as a plain script: seconds per epoch and their ratio.
 5. ``ddp``: a DDP training step in the kernel against the same function under torchrun.
 6. ``lifecycle``: GPU memory in use (nvidia-smi) after restart, shutdown and a SIGKILLed parent.
+7. ``faults`` (issue 29), NCCL at world size 1: the NCCL communicators aborted as a teardown
+   aborts them, then the group re-formed with a CUDA tensor kept; a CUDA out-of-memory error, then
+   the next cell works; the stop button in a busy CUDA loop answered within seconds, variables kept.
 
 ``--rehearse`` runs the same checks on a machine without a GPU (``--gpus none``, gloo, small
 images): the harness is exercised end to end, the CUDA-only numbers are reported as not run.
@@ -32,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -275,6 +279,46 @@ class Proof:
                      f"{torchrun['median_step_s'] * 1e3:.2f} ms under torchrun (ratio {ratio:.3f})",
                      {"kernel": kernel_run, "torchrun": torchrun, "ratio": ratio, **kw})
 
+    def faults(self) -> Check:
+        if not self.cuda:
+            return Check("faults", None, "not run: needs CUDA (NCCL)")
+        k = self.kernel(1, "--backend", "nccl")
+        data: dict = {}
+        problems = []
+        try:
+            k.check("import torch, threading\nimport torch.distributed as dist\n"
+                    "x = torch.arange(4.0, device=device)\na = torch.randn(2048, 2048, device=device)")
+            # a teardown's NCCL abort, as the kernel runs it on a rank blocked behind a stall
+            res = k.execute("from dist_kernel.rank import nccl\nnccl.abort(interrupt_main=True)\n"
+                            "for _ in range(10**6):\n    pass")
+            data["abort"] = text = res.text()
+            if "GroupAborted" not in text or "re-formed" not in text:
+                problems.append(f"abort: {text[-400:]!r}")
+            after = k.execute("t = torch.ones(1, device=device)\ndist.all_reduce(t)\n"
+                              "print(x.sum().item(), t.item(), x.device, dist.get_backend())").stdout()
+            data["after_abort"] = after
+            if after.strip() != "6.0 1.0 cuda:0 nccl":
+                problems.append(f"after the abort: {after!r}")
+            oom = k.execute("_huge = torch.empty(2**44, dtype=torch.uint8, device=device)")
+            data["oom"] = f"{oom.reply.get('ename')}: {oom.reply.get('evalue', '')[:200]}"
+            if oom.reply.get("ename") != "OutOfMemoryError":
+                problems.append(f"out of memory: {data['oom']}")
+            timer = threading.Timer(2.0, k.km.interrupt_kernel)
+            timer.start()
+            busy = k.execute("while True:\n    a = a @ a\n    a = a / a.norm()", timeout=60)
+            data["stop_s"] = round(busy.elapsed - 2.0, 2)
+            if busy.reply.get("ename") != "KeyboardInterrupt" or busy.elapsed > 12:
+                problems.append(f"stop in a CUDA loop: {busy.reply.get('ename')} after {busy.elapsed:.1f} s")
+            kept = k.execute("print(x.sum().item(), torch.isfinite(a).all().item())").stdout()
+            if kept.strip() != "6.0 True":
+                problems.append(f"after the stop: {kept!r}")
+        finally:
+            k.shutdown()
+        summary = (f"NCCL abort then re-form: {data.get('after_abort', '').strip()!r} (x kept on the GPU); "
+                   f"out of memory: {data.get('oom', '')[:60]}; stop in a busy CUDA loop answered "
+                   f"{data.get('stop_s')} s after it")
+        return Check("faults", not problems, "; ".join(problems) or summary, data)
+
     def lifecycle(self) -> Check:
         hold = (f"_keep = torch.empty({self.args.alloc_gib * GIB}, dtype=torch.uint8, device=device)\n"
                 "torch.cuda.synchronize()" if self.cuda else "_keep = bytearray(2**28)")
@@ -395,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     proof = Proof(cuda, args)
     order: list[tuple[str, Callable[[], Check]]] = [
         ("backend", proof.backend), ("gpus", proof.gpus), ("empty_cache", proof.empty_cache),
-        ("fastai", proof.fastai), ("ddp", proof.ddp), ("lifecycle", proof.lifecycle)]
+        ("fastai", proof.fastai), ("ddp", proof.ddp), ("lifecycle", proof.lifecycle), ("faults", proof.faults)]
     checks = []
     for name, run in order:
         if args.only and name not in args.only:

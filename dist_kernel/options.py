@@ -28,7 +28,7 @@ from dist_kernel.exceptions import FIX_HINT, ConfigError
 
 BACKENDS = ("gloo", "nccl")
 #: where the ranks run: this machine, nodes started by Slurm's srun, or hosts reached by ssh
-LAUNCHERS = ("local", "slurm", "ssh")
+LAUNCHERS = ("local", "slurm", "ssh", "stub")
 OUTPUT_POLICIES = ("all", "rank0")
 ENV_PREFIX = "DIST_KERNEL_"
 
@@ -160,12 +160,15 @@ OPTIONS: tuple[Option, ...] = (
            metavar="N"),
     Option("hang_grace", positive, "10", "seconds a rank may wait in a collective the others never "
            "entered (default {default})", _KERNEL, metavar="S"),
+    Option("respawn", switch, "off", "start a rank that died anew at once, in its place; the other ranks keep "
+           "their variables (default {default})", _KERNEL, metavar="on|off"),
     Option("empty_cache", switch, "on", "gc + torch.cuda.empty_cache() after each cell (default {default})",
            _SUPERVISOR, metavar="on|off", rank_switch=True),
     Option("rich_output", choice(*OUTPUT_POLICIES), "all", "rich output from every rank (merged) or "
            "from rank 0 only (default {default})", _KERNEL, metavar="all|rank0"),
     Option("launcher", choice(*LAUNCHERS), "local", "where the ranks run: this machine, nodes started by "
-           "srun, or hosts reached by ssh (default {default})", "dist_kernel.parent.launch", metavar="local|slurm|ssh"),
+           "srun, or hosts reached by ssh; stub: stand-in ranks on local stub nodes, for tests and benchmarks "
+           "(default {default})", "dist_kernel.parent.launch", metavar="local|slurm|ssh"),
     Option("nodes", whole(1), "1", "number of machines (slurm/ssh; default: 1 for slurm, the number of "
            "--hosts for ssh)", _REMOTE, metavar="N"),
     Option("ranks_per_node", whole(1), None, "ranks on each node (slurm/ssh; default: the number of "
@@ -206,6 +209,7 @@ class KernelConfig:
     hf: bool = _default("hf")
     seed: int | None = None  # None: the parent draws one per start, shared by every rank
     hang_grace: float = _default("hang_grace")
+    respawn: bool = _default("respawn")
     empty_cache: bool = _default("empty_cache")
     rich_output: str = _default("rich_output")
     launcher: str = _default("launcher")
@@ -331,7 +335,7 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
     config = KernelConfig(world_size=nodes * per_node, backend=backend, gpus=tuple(gpus), timeout=get("timeout"),
                           startup_timeout=get("startup_timeout"), merge_window=get("merge_window_ms"),
                           fastai=get("fastai"), lightning=get("lightning"), hf=get("hf"),
-                          seed=_given_int(value, "seed"), hang_grace=get("hang_grace"),
+                          seed=_given_int(value, "seed"), hang_grace=get("hang_grace"), respawn=get("respawn"),
                           empty_cache=get("empty_cache"), rich_output=get("rich_output"), launcher=launcher,
                           nodes=nodes, ranks_per_node=per_node, hosts=hosts, slurm_args=slurm_args,
                           listen=listen, port_range=port_range, oversubscribe=get("oversubscribe"))

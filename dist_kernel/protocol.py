@@ -9,9 +9,9 @@ rank answers while its shell runs a long cell or is blocked in a C++ collective.
 
 Wire format (the ``content`` of the Jupyter message; HMAC-signed like every Jupyter message)::
 
-    dist_request  {"version": 1, "op": "<op>", "args": {<the request's fields>}}
-    dist_reply    {"version": 1, "op": "<op>", "status": "ok",    "result": {<the reply's fields>}}
-    dist_reply    {"version": 1, "op": "<op>", "status": "error", "ename": "...", "evalue": "..."}
+    dist_request  {"version": 2, "op": "<op>", "args": {<the request's fields>}}
+    dist_reply    {"version": 2, "op": "<op>", "status": "ok",    "result": {<the reply's fields>}}
+    dist_reply    {"version": 2, "op": "<op>", "status": "error", "ename": "...", "evalue": "..."}
 
 Both sides validate on receipt (:func:`parse_request`, :func:`parse_reply`): an unknown op,
 a missing or extra field, or a field of the wrong type is a :class:`ProtocolError`; the rank
@@ -33,7 +33,8 @@ from typing import Any, ClassVar, Union
 
 from dist_kernel.options import RANK_SWITCHES
 
-VERSION = 1
+#: 2: ``sync``, ``Join.local_world_size``, ``Place.cuda_wait`` and ``Place.pending`` (issue 29)
+VERSION = 2
 REQUEST = "dist_request"
 REPLY = "dist_reply"
 
@@ -41,7 +42,9 @@ REPLY = "dist_reply"
 # --------------------------------------------------------------------- metadata
 #: dist_kernel's part of a Jupyter message's metadata: ``metadata[META] = {META_...: value}``
 META = "dist_kernel"
-#: execute_request, parent -> rank: the ranks that run the cell (a list of int)
+#: execute_request, parent -> rank: the ranks that run the cell (a list of int), absent when every
+#: rank of the world runs it (the request's size does not grow with the rank count); merged
+#: output, parent -> frontend: the ranks it stands for
 META_RANKS = "ranks"
 #: execute_request and forwarded comm messages, parent -> rank: the frontend request's msg_id, the
 #: same on every rank (comms a rank opens for it are named after it: see dist_kernel.rank.widgets)
@@ -79,6 +82,14 @@ def with_meta(metadata: dict | None, part: dict) -> dict:
     return {**(metadata or {}), META: part}
 
 
+def ranks_from(value: object) -> tuple[int, ...] | None:
+    """The ranks of :data:`META_RANKS` in an execute_request; None when absent (every rank of the
+    world runs the cell) or malformed."""
+    if isinstance(value, list) and value and all(isinstance(r, int) for r in value):
+        return tuple(value)
+    return None
+
+
 class ProtocolError(ValueError):
     """A message that does not follow this module (unknown op, bad field)."""
 
@@ -114,6 +125,9 @@ class Join(Request):
     #: the first formation: each rank switch on or off (:data:`RANK_SWITCHES`); one left out
     #: takes its option's default (later formations keep what ``set_option`` chose)
     switches: dict[str, bool] = field(default_factory=dict)
+    #: the ranks on this rank's node (``LOCAL_WORLD_SIZE``), which ``%dist_ranks`` changes; None: as
+    #: the rank's environment says
+    local_world_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -154,8 +168,21 @@ class SetOption(Request):
     on: bool
 
 
+@dataclass(frozen=True)
+class Sync(Request):
+    """``%dist_sync``: copy the user's variables ``names`` from rank ``src`` to every other rank,
+    over the process group (every rank of the group gets this request at once, and runs it on its
+    main thread). Tensors, numpy arrays and plain data (nested lists, dicts, tuples) go as
+    tensors and JSON; a module or optimizer into the one of the same kind the rank already holds
+    under that name (its ``state_dict``). Nothing is pickled."""
+
+    op: ClassVar[str] = "sync"
+    names: list[str]
+    src: int
+
+
 #: every request, by op
-REQUESTS: dict[str, type[Request]] = {c.op: c for c in (Join, Where, Status, Teardown, SetOption)}
+REQUESTS: dict[str, type[Request]] = {c.op: c for c in (Join, Where, Status, Teardown, SetOption, Sync)}
 
 
 # ---------------------------------------------------------------------- replies
@@ -164,6 +191,25 @@ class Joined:
     """Reply to :class:`Join`."""
 
     device: str
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A collective this rank started that has not completed, as torch's flight recorder holds
+    it (NCCL starts collectives asynchronously: the Python thread goes on, and blocks later in a
+    CUDA synchronisation). Its output tensors may hold a partial result once the group is aborted."""
+
+    op: str  # the collective: "all_reduce" (the recorder's "nccl:all_reduce" without the backend)
+    group: str  # the process group's name ("0" for the default group)
+    default: bool  # it is the default group, whose count idle ranks report (``Place.group_seq``)
+    group_ranks: list[int]  # the global ranks of its group ([] when the recorder did not say)
+    #: the group's collective sequence number of this call (1 for the group's first), as
+    #: ``Place.group_seq`` counts them; a point-to-point call's own count when ``p2p``
+    seq: int
+    p2p: bool
+    state: str  # "scheduled" or "started" (NCCL knows "started" only with TORCH_NCCL_ENABLE_TIMING)
+    output_sizes: list[list[int]]
+    output_dtypes: list[str]  # as the recorder names them: "Float", "BFloat16", ...
 
 
 @dataclass(frozen=True)
@@ -201,8 +247,16 @@ class Place:
     #: torch.distributed collective on the stack (``collective`` is None): its innermost Python
     #: frame is torch's distributed code, named from the outside in, such as
     #: ``DistributedDataParallel(...) / _verify_param_shape_across_processes /
-    #: _verify_params_across_processes``; ``group_ranks`` and ``seq`` are its group's. "" otherwise
+    #: _verify_params_across_processes``; ``group_ranks`` and ``seq`` are its group's. On NCCL, also
+    #: the call that waits on the GPU for a pending collective (``cuda_wait``, with ``pending``):
+    #: it is in C++ just as well, and a stop cannot reach it. "" otherwise
     native: str = ""
+    #: NCCL only: the call in which the main thread waits for the GPU, a CUDA synchronisation
+    #: (``loss.item()``, ``torch.cuda.synchronize()``); "" when it is not in one
+    cuda_wait: str = ""
+    #: NCCL only: the collectives this rank started that have not completed (the flight recorder's),
+    #: read while it is in a CUDA synchronisation; the oldest first
+    pending: list[Pending] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -228,9 +282,18 @@ class Done:
     outcome: str
 
 
+@dataclass(frozen=True)
+class Synced:
+    """Reply to :class:`Sync`: per name, what this rank did (``copied``: how, in words) or why
+    it could not (``failed``)."""
+
+    copied: dict[str, str]
+    failed: dict[str, str]
+
+
 #: the reply type of each op
 REPLIES: dict[str, type] = {"join": Joined, "where": Place, "status": RankStatus,
-                            "teardown": Done, "set_option": Done}
+                            "teardown": Done, "set_option": Done, "sync": Synced}
 
 
 @dataclass(frozen=True)
@@ -314,11 +377,23 @@ def _build(cls: type, args: Any) -> Any:
             continue
         if not _is(args[name], hints[name]):
             raise ProtocolError(f"{cls.__name__}.{name}: {args[name]!r} is not {_name(hints[name])}")
-        values[name] = args[name]
+        values[name] = _nested(args[name], hints[name])
     return cls(**values)
 
 
+def _nested(value: Any, hint: Any) -> Any:
+    """A JSON value with the reply dataclasses it holds built (a list of :class:`Pending`)."""
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _build(hint, value)
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return [_nested(v, item) for v in value]
+    return value
+
+
 def _is(value: Any, hint: Any) -> bool:
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # its fields are checked as it is built (_nested)
+        return isinstance(value, dict)
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         return any(_is(value, h) for h in typing.get_args(hint))

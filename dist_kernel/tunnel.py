@@ -10,10 +10,19 @@ or a file).
 Frames, after the ROUTER's node identity on the parent's side:
 
 - ``ctl``, payload, signature: a control event (hello, beat, start, started, exited, signal,
-  stop), JSON, signed with the kernel's tunnel HMAC key as well (defence in depth: a frame
+  stop; an agent's beat carries only the ranks whose state changed, and is sent only then), JSON, signed with the kernel's tunnel HMAC key as well (defence in depth: a frame
   that does not verify is dropped).
-- ``msg``, rank, channel, *frames: one Jupyter message to or from a rank, relayed as is; it
-  carries its own HMAC signature (each rank has its own key), checked at the ends.
+- ``msg``, rank, channel, *frames: one Jupyter message from a rank, relayed as is; it
+  carries its own HMAC signature (each rank has its own key), checked by the parent.
+- ``bat``, then for each message rank, channel, frame count, *frames: the messages of several of
+  a node's ranks that the agent read in one turn, in one frame set (:func:`batch`), each as
+  ``msg`` carries it: the parent reads one message per node and turn, not one per rank.
+- ``fan``, channel, count, then rank and header per rank, then parent header, metadata, content,
+  *buffers: one Jupyter message to several ranks of the node, sent once (:func:`fan`). The
+  parent sends every message to a remote rank so, unsigned; the agent signs each rank's copy
+  with that rank's key (:class:`Signer`), which it holds anyway to start the rank, behind the
+  CurveZMQ link that only this kernel's client key may open. A cell thus crosses the link once
+  per node, with its code once.
 
 Nothing here is ever unpickled: control payloads are JSON, Jupyter frames are passed through.
 
@@ -37,6 +46,10 @@ from typing import Any
 
 CTL = b"ctl"
 MSG = b"msg"
+FAN = b"fan"
+BATCH = b"bat"
+#: the delimiter of a Jupyter message's frames (jupyter_client's ``DELIM``)
+DELIM = b"<IDS|MSG>"
 #: the Jupyter channels a rank's messages travel on
 CHANNELS = (b"shell", b"control", b"stdin", b"iopub")
 #: the IPC "ports" of a rank's channels on its node
@@ -51,14 +64,19 @@ def ipc_endpoint(ip: str, channel: bytes) -> str:
 def ipc_ports() -> dict[str, int]:
     """The ``*_port`` entries of such a kernel's connection info."""
     return {f"{name.decode()}_port": num for name, num in IPC_PORTS.items()}
-#: both ends send a beat this often, and call the other side lost after LOST_AFTER silent seconds
+#: the parent beats to each agent this often; an agent calls the parent lost after LOST_AFTER
+#: silent seconds. The agents beat only when a rank's state changed: the parent hears of a lost
+#: node from its connection (TCP keepalives and a retransmission limit drop the link of a node cut
+#: off within about LOST_AFTER, a killed agent's drops at once) and calls it lost once that
+#: connection has been gone for RECONNECT_GRACE
 BEAT_INTERVAL = 0.5
 LOST_AFTER = 3.0
+RECONNECT_GRACE = 1.0
 #: the ZAP domain of the parent's listener
 ZAP_DOMAIN = "dist_kernel"
 #: control event types, by direction (``lost`` is the parent's own, when a node falls silent)
-FROM_NODE = ("hello", "beat", "started", "exited", "failed", "ending")
-TO_NODE = ("beat", "start", "signal", "stop")
+FROM_NODE = ("hello", "beat", "started", "exited", "failed", "ending", "respawned", "respawn_failed")
+TO_NODE = ("beat", "start", "signal", "stop", "respawn")
 
 
 class TunnelError(ValueError):
@@ -171,6 +189,132 @@ def unpack_ctl(key: str, frames: list[bytes], allowed: tuple[str, ...]) -> dict[
     if not isinstance(event, dict) or event.get("type") not in allowed:
         raise TunnelError(f"unknown control event {event.get('type') if isinstance(event, dict) else event!r}")
     return event
+
+
+def fan(channel: bytes, headers: list[tuple[int, bytes]], shared: list[bytes]) -> list[bytes]:
+    """One message to several ranks: each rank with its own header; ``shared``: the parent
+    header, metadata, content and buffers, the same for every rank."""
+    frames = [FAN, channel, str(len(headers)).encode()]
+    for rank, header in headers:
+        frames += [str(rank).encode(), header]
+    return frames + shared
+
+
+def unfan(frames: list[bytes]) -> tuple[bytes, list[tuple[int, bytes]], list[bytes]]:
+    """:func:`fan`'s frames (after the ``fan`` frame): the channel, (rank, header) per rank, the
+    shared frames. Raises :class:`TunnelError` when malformed."""
+    try:
+        channel, count = frames[0], int(frames[1])
+        headers = [(int(frames[2 + 2 * i]), frames[3 + 2 * i]) for i in range(count)]
+    except (IndexError, ValueError):
+        raise TunnelError("a malformed fan message") from None
+    shared = frames[2 + 2 * count:]
+    if len(shared) < 3 or channel not in CHANNELS or channel == b"iopub":  # the parent never publishes
+        raise TunnelError("a malformed fan message")
+    return channel, headers, shared
+
+
+class Signer:
+    """Signs Jupyter messages for the ranks of one node, each with its own key (the agent's
+    side of :func:`fan`)."""
+
+    def __init__(self, rank_keys: dict[str, str]) -> None:
+        self._macs = {int(r): hmac.new(k.encode(), digestmod=hashlib.sha256) for r, k in rank_keys.items()}
+
+    def message(self, rank: int, header: bytes, shared: list[bytes]) -> list[bytes]:
+        """The frames a rank's socket takes: the delimiter, the signature, the message."""
+        mac = self._macs[rank].copy()
+        mac.update(header)
+        for part in shared[:3]:
+            mac.update(part)
+        return [DELIM, mac.hexdigest().encode(), header, *shared]
+
+
+def batch(messages: list[tuple[bytes, bytes, list[bytes]]]) -> list[bytes]:
+    """Several ranks' messages, each (rank, channel, frames), as one frame set."""
+    frames = [BATCH]
+    for rank, channel, msg in messages:
+        frames += [rank, channel, str(len(msg)).encode(), *msg]
+    return frames
+
+
+def unbatch(frames: list[bytes]) -> list[tuple[bytes, bytes, list[bytes]]]:
+    """:func:`batch`'s messages (after the ``bat`` frame). Raises :class:`TunnelError` when malformed."""
+    out = []
+    i = 0
+    try:
+        while i < len(frames):
+            n = int(frames[i + 2])
+            out.append((frames[i], frames[i + 1], frames[i + 3:i + 3 + n]))
+            i += 3 + n
+    except (IndexError, ValueError):
+        raise TunnelError("a malformed batch") from None
+    if i != len(frames):
+        raise TunnelError("a malformed batch")
+    return out
+
+
+def tune_link(sock: Any) -> None:
+    """TCP keepalives and a retransmission limit on a ZMQ socket of the node link: the kernel
+    drops a connection whose other end is cut off or down within about LOST_AFTER (a killed
+    process's drops at once), with no beat on either side."""
+    import zmq
+
+    sock.tcp_keepalive = 1
+    sock.tcp_keepalive_idle = sock.tcp_keepalive_intvl = 1
+    sock.tcp_keepalive_cnt = max(1, int(LOST_AFTER) - 1)
+    sock.setsockopt(zmq.TCP_MAXRT, int(LOST_AFTER * 1000))
+
+
+class LinkWatch:
+    """An agent's view of the parent (the real agent's and the stub agent's alike): whether its
+    connection is up, from the socket's ZMQ monitor events (:attr:`monitor`, polled with the
+    agent's other sockets), when the agent beats next, and when the parent counts as gone. While
+    the link is up the parent counts as heard: it beats only to carry news, so an idle parent does
+    no work per node."""
+
+    def __init__(self, sock: Any) -> None:
+        import time
+
+        import zmq
+
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.up = False
+        self.last_heard = time.monotonic()
+        self.next_beat = 0.0
+
+    def heard(self) -> None:
+        """A frame from the parent came."""
+        import time
+
+        self.last_heard = time.monotonic()
+
+    def turn(self, beat: Any, stdin_closed: bool, stdin_words: str) -> str:
+        """The end of one turn of the agent's loop: ``beat()`` when one is due; why the agent must
+        end (the parent silent past LOST_AFTER, or its stdin closed: ``stdin_words``), or ""."""
+        import time
+
+        now = time.monotonic()
+        if now >= self.next_beat:
+            self.next_beat = now + BEAT_INTERVAL
+            beat()
+        if self.up:
+            self.last_heard = now
+        if now - self.last_heard > LOST_AFTER:
+            return f"the parent has been silent for {LOST_AFTER:.0f}s"
+        return f"its stdin closed ({stdin_words})" if stdin_closed else ""
+
+    def read(self) -> None:
+        """Take the monitor's events (call when :attr:`monitor` is readable)."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.monitor.poll(0):
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+            except zmq.ZMQError:
+                return
+            self.up = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
 def route_address(host: str, port: int = 9) -> str:

@@ -6,11 +6,13 @@ It reads its keys as one JSON line on stdin (:class:`dist_kernel.tunnel.Bootstra
 that it can reach the parent, connects out to it (CurveZMQ), says hello, and once the parent
 says ``start`` launches this node's ranks as ipykernels on IPC sockets in a private
 directory, exactly as the parent does on one machine. From then on it relays each rank's
-Jupyter messages both ways, beats every half second with its ranks' states, reports a rank
-that exits, and signals ranks when the parent asks (the stop button).
+Jupyter messages both ways (the parent's as one message for several ranks, which it signs
+with each rank's key; the ranks' in one batch per turn: :mod:`dist_kernel.tunnel`), beats
+every half second with the ranks whose state changed, reports a rank that exits, and signals
+ranks when the parent asks (the stop button).
 
-It ends its ranks and itself when the parent says ``stop``, when the parent has been silent
-for :data:`~dist_kernel.tunnel.LOST_AFTER` seconds (a lost link, a SIGKILLed parent), or
+It ends its ranks and itself when the parent says ``stop``, when its link to the parent has
+been down for :data:`~dist_kernel.tunnel.LOST_AFTER` seconds (cut off, a SIGKILLed parent), or
 when its stdin closes (srun or ssh ended). Each rank also dies with the agent
 (``PR_SET_PDEATHSIG``), so a SIGKILLed agent leaves nothing behind either.
 
@@ -74,6 +76,7 @@ class RankChild:
         self.log_path = log_path
         self.sockets = sockets
         self.reported = False
+        self.beaten: dict | None = None  # its state as the last beat told the parent
 
     def state(self) -> str:
         return proc_state(self.proc.pid)
@@ -98,12 +101,16 @@ class NodeAgent:
         self.ranks: dict[int, RankChild] = {}
         self.runtime_dir = tempfile.mkdtemp(prefix=f"dk-node{node}-")  # mode 0700
         self.stdin_closed = threading.Event()
-        self.last_heard = time.monotonic()
+        self.link: tunnel.LinkWatch | None = None  # the parent's connection, once connect() made it
         self.ending = ""
         #: the parent's beats ask for the ranks' load while a cell runs with %dist_top on; only then
         #: is anything sampled (psutil and NVML from here, never inside the ranks)
         self.sampling = False
         self.sampler: LoadSampler | None = None
+        self.master: tuple[str, int | None] = ("", None)  # the ranks' MASTER_ADDR and MASTER_PORT
+        self.retired: list[zmq.Socket] = []  # sockets of ranks started anew, closed by the loop
+        self.signer = tunnel.Signer(boot.rank_keys)  # the parent's fan messages, signed per rank
+        self.beat_sampled = False  # the last beat carried loads: the next tells every rank without
 
     # ---------------------------------------------------------------- start
     def connect(self) -> None:
@@ -126,6 +133,8 @@ class NodeAgent:
         sock.setsockopt(zmq.IDENTITY, f"node{self.node}".encode())
         sock.linger = 1000
         sock.sndhwm = sock.rcvhwm = 0  # a burst of output is never dropped
+        tunnel.tune_link(sock)  # a cut link drops: the parent counts as silent (LinkWatch)
+        self.link = tunnel.LinkWatch(sock)
         sock.connect(self.parent)
         self.sock = sock
         hello = {"type": "hello", "node": self.node, "host": self.host, "address": self.address,
@@ -147,86 +156,113 @@ class NodeAgent:
         self.sock.send_multipart(tunnel.pack_ctl(self.boot.hmac_key, event))
 
     def start_ranks(self, master_addr: str, master_port: int | None) -> None:
+        self.master = (master_addr, master_port)
+        for local in range(self.boot.ranks_per_node):
+            self.start_rank(rank_of(self.node, local, self.boot.ranks_per_node))
+        self.send_ctl({"type": "started", "node": self.node,
+                       "ranks": {str(r): c.proc.pid for r, c in self.ranks.items()}})
+
+    def respawn(self, rank: int) -> None:
+        """The parent's ``respawn``: start a rank of this node that died anew, in its place
+        (``%dist_respawn``); its relaying sockets are new, the old ones closed."""
+        old = self.ranks.get(rank)
+        if old is None or old.proc.poll() is None:
+            raise RuntimeError(f"rank {rank} is {'running' if old else 'not on this node'}")
+        self.retired += old.sockets.values()
+        self.start_rank(rank)
+        self.send_ctl({"type": "respawned", "rank": rank, "pid": self.ranks[rank].proc.pid})
+
+    def start_rank(self, rank: int) -> None:
+        """Start one rank process and the sockets that relay its channels."""
         from jupyter_client.connect import write_connection_file
 
         boot = self.boot
-        for local in range(boot.ranks_per_node):
-            rank = rank_of(self.node, local, boot.ranks_per_node)
-            ipc = os.path.join(self.runtime_dir, f"rank{rank}")
-            cf = os.path.join(self.runtime_dir, f"rank{rank}.json")
-            ports = tunnel.ipc_ports()
-            write_connection_file(cf, transport="ipc", ip=ipc, key=boot.rank_keys[str(rank)].encode(),
-                                  signature_scheme="hmac-sha256", kernel_name="dist-kernel-rank",
-                                  shell_port=ports["shell_port"], iopub_port=ports["iopub_port"],
-                                  stdin_port=ports["stdin_port"], control_port=ports["control_port"],
-                                  hb_port=ports["hb_port"])
-            env = rank_env(dict(os.environ), rank=rank, ranks_per_node=boot.ranks_per_node,
-                           world_size=boot.world_size, master_addr=master_addr, master_port=master_port,
-                           runtime_dir=self.runtime_dir, parent_pid=os.getpid(), gpus=boot.gpus,
-                           ifname=self.ifname, kernel_pid=boot.parent_pid)
-            if boot.pythonpath and "PYTHONPATH" not in os.environ:
-                env["PYTHONPATH"] = boot.pythonpath
-            log_path = os.path.join(self.runtime_dir, f"rank{rank}.log")
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen([sys.executable, "-m", "dist_kernel.rank", "-f", cf, *boot.extra_argv],
-                                        env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                        start_new_session=True, cwd=self.cwd())
-            sockets = {}
-            identity = f"relay-{rank}".encode()  # one identity on shell and stdin: input() needs it
-            for name, kind in ((b"shell", zmq.DEALER), (b"control", zmq.DEALER), (b"stdin", zmq.DEALER),
-                               (b"iopub", zmq.SUB)):
-                s = self.ctx.socket(kind)
-                s.linger = 0
-                s.sndhwm = s.rcvhwm = 0
-                if kind == zmq.SUB:
-                    s.setsockopt(zmq.SUBSCRIBE, b"")
-                else:
-                    s.setsockopt(zmq.IDENTITY, identity)
-                s.connect(tunnel.ipc_endpoint(ipc, name))
-                sockets[name] = s
-            self.ranks[rank] = RankChild(rank, proc, log_path, sockets)
-        self.send_ctl({"type": "started", "node": self.node,
-                       "ranks": {str(r): c.proc.pid for r, c in self.ranks.items()}})
+        master_addr, master_port = self.master
+        ipc = os.path.join(self.runtime_dir, f"rank{rank}")
+        cf = os.path.join(self.runtime_dir, f"rank{rank}.json")
+        ports = tunnel.ipc_ports()
+        write_connection_file(cf, transport="ipc", ip=ipc, key=boot.rank_keys[str(rank)].encode(),
+                              signature_scheme="hmac-sha256", kernel_name="dist-kernel-rank",
+                              shell_port=ports["shell_port"], iopub_port=ports["iopub_port"],
+                              stdin_port=ports["stdin_port"], control_port=ports["control_port"],
+                              hb_port=ports["hb_port"])
+        env = rank_env(dict(os.environ), rank=rank, ranks_per_node=boot.ranks_per_node,
+                       world_size=boot.world_size, master_addr=master_addr, master_port=master_port,
+                       runtime_dir=self.runtime_dir, parent_pid=os.getpid(), gpus=boot.gpus,
+                       ifname=self.ifname, kernel_pid=boot.parent_pid)
+        if boot.pythonpath and "PYTHONPATH" not in os.environ:
+            env["PYTHONPATH"] = boot.pythonpath
+        log_path = os.path.join(self.runtime_dir, f"rank{rank}.log")
+        with open(log_path, "ab") as log:  # appended: a respawned rank keeps its predecessor's words
+            proc = subprocess.Popen([sys.executable, "-m", "dist_kernel.rank", "-f", cf, *boot.extra_argv],
+                                    env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    start_new_session=True, cwd=self.cwd())
+        sockets = {}
+        identity = f"relay-{rank}".encode()  # one identity on shell and stdin: input() needs it
+        for name, kind in ((b"shell", zmq.DEALER), (b"control", zmq.DEALER), (b"stdin", zmq.DEALER),
+                           (b"iopub", zmq.SUB)):
+            s = self.ctx.socket(kind)
+            s.linger = 0
+            s.sndhwm = s.rcvhwm = 0
+            if kind == zmq.SUB:
+                s.setsockopt(zmq.SUBSCRIBE, b"")
+            else:
+                s.setsockopt(zmq.IDENTITY, identity)
+            s.connect(tunnel.ipc_endpoint(ipc, name))
+            sockets[name] = s
+        self.ranks[rank] = RankChild(rank, proc, log_path, sockets)
 
     # ----------------------------------------------------------------- loop
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        link = self.link
+        assert link is not None, "connect() first"
+        poller.register(link.monitor, zmq.POLLIN)
         owners: dict[zmq.Socket, tuple[int, bytes]] = {}
-        next_beat = 0.0
         while not self.ending:
+            for s in self.retired:  # a respawned rank's old sockets
+                if s in owners:
+                    poller.unregister(s)
+                    del owners[s]
+                s.close()
+            self.retired.clear()
             for rank, child in self.ranks.items():
                 for name, s in child.sockets.items():
                     if s not in owners:
                         owners[s] = (rank, name)
                         poller.register(s, zmq.POLLIN)
+            out: list[tuple[bytes, bytes, list[bytes]]] = []  # what the ranks said this turn: one batch
             for s, _ in poller.poll(100):
                 if s is self.sock:
                     self.from_parent(self.sock.recv_multipart(copy=True))
+                elif s is link.monitor:
+                    link.read()
                 else:
                     rank, name = owners[s]
-                    frames = s.recv_multipart(copy=True)
-                    self.sock.send_multipart([tunnel.MSG, str(rank).encode(), name, *frames])
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + tunnel.BEAT_INTERVAL
-                self.beat()
-            if now - self.last_heard > tunnel.LOST_AFTER:
-                self.ending = f"the parent has been silent for {tunnel.LOST_AFTER:.0f}s"
-            elif self.stdin_closed.is_set():
-                self.ending = "its stdin closed (srun or ssh ended)"
+                    out.append((str(rank).encode(), name, s.recv_multipart(copy=True)))
+            if out:
+                self.sock.send_multipart(tunnel.batch(out))
+            self.ending = link.turn(self.beat, self.stdin_closed.is_set(), "srun or ssh ended")
 
     def beat(self) -> None:
+        """The ranks whose state changed since the last beat (all of them, with their load, while
+        the parent samples, and once after): an idle parent does no work per rank."""
         states = {}
+        every, self.beat_sampled = self.sampling or self.beat_sampled, self.sampling
         for rank, child in self.ranks.items():
             code = child.proc.poll()
-            states[str(rank)] = {"pid": child.proc.pid, "state": child.state(), "exit": code}
+            st = {"pid": child.proc.pid, "state": child.state(), "exit": code}
+            if st != child.beaten or every:
+                child.beaten = dict(st)
+                states[str(rank)] = st
             if self.sampling and code is None:
-                states[str(rank)]["load"] = self.load(rank, child.proc.pid)
+                st["load"] = self.load(rank, child.proc.pid)
             if code is not None and not child.reported:
                 child.reported = True
                 self.send_ctl({"type": "exited", "rank": rank, "code": code, "log": child.log_tail()})
-        self.send_ctl({"type": "beat", "ranks": states})
+        if states or every:  # the parent hears of a lost node from its connection, not from beats
+            self.send_ctl({"type": "beat", "ranks": states})
 
     def load(self, rank: int, pid: int) -> dict:
         """One rank's load sample (dist_kernel.load), its GPU named as this node sees it."""
@@ -236,30 +272,48 @@ class NodeAgent:
         return self.sampler.sample(pid, gpu_target(self.boot.gpus, local, os.environ.get("CUDA_VISIBLE_DEVICES")))
 
     def from_parent(self, frames: list[bytes]) -> None:
-        self.last_heard = time.monotonic()
-        if frames[0] == tunnel.MSG and len(frames) >= 3:
-            child = self.ranks.get(int(frames[1]))
-            if child is not None and frames[2] in child.sockets and frames[2] != b"iopub":
-                child.sockets[frames[2]].send_multipart(frames[3:])
-            return
-        if frames[0] != tunnel.CTL:
-            return
+        if self.link is not None:
+            self.link.heard()
+        if frames[0] == tunnel.FAN:
+            self.fan_out(frames[1:])
+        elif frames[0] == tunnel.CTL:
+            try:
+                event = tunnel.unpack_ctl(self.boot.hmac_key, frames[1:], tunnel.TO_NODE)
+            except tunnel.TunnelError:
+                return
+            self.control(event)
+
+    def fan_out(self, frames: list[bytes]) -> None:
+        """One message for some of this node's ranks: each rank's copy signed with its own key."""
         try:
-            event = tunnel.unpack_ctl(self.boot.hmac_key, frames[1:], tunnel.TO_NODE)
+            channel, headers, shared = tunnel.unfan(frames)
         except tunnel.TunnelError:
             return
-        if event["type"] == "start" and not self.ranks:
+        for rank, header in headers:
+            child = self.ranks.get(rank)
+            if child is not None and channel != b"iopub":
+                child.sockets[channel].send_multipart(self.signer.message(rank, header, shared))
+
+    def control(self, event: dict) -> None:
+        """A control event of the parent's (verified): start, respawn, signal, stop, beat."""
+        kind = event["type"]
+        if kind in ("start", "respawn"):
             try:
-                self.start_ranks(event["master_addr"], event.get("master_port"))
+                if kind == "start" and not self.ranks:
+                    self.start_ranks(event["master_addr"], event.get("master_port"))
+                elif kind == "respawn":
+                    self.respawn(int(event["rank"]))
             except Exception as e:  # noqa: BLE001 - reported to the parent, which shows it
-                self.send_ctl({"type": "failed", "node": self.node, "error": f"{type(e).__name__}: {e}"})
-        elif event["type"] == "signal":
+                said = {"type": "failed", "node": self.node} if kind == "start" else \
+                    {"type": "respawn_failed", "rank": int(event["rank"])}
+                self.send_ctl({**said, "error": f"{type(e).__name__}: {e}"})
+        elif kind == "signal":
             child = self.ranks.get(int(event["rank"]))
             if child is not None:
                 child.signal(int(event["signum"]))
-        elif event["type"] == "stop":
+        elif kind == "stop":
             self.ending = "the parent asked it to stop"
-        elif event["type"] == "beat":
+        elif kind == "beat":
             self.sampling = bool(event.get("sample"))
 
     # ------------------------------------------------------------------ end

@@ -8,7 +8,8 @@ channel, which the rank answers from its own thread while its shell is busy.
 
 A rank's frames travel on a :class:`Wire`: on this machine its own sockets, read from the
 event loop (``add_reader`` on each socket's ZMQ file descriptor); on another machine its node
-agent's connection (remote.py), which hands the frames over directly. Messages are decoded only as far as routing needs (issue 14): every
+agent's connection (listener.py), which hands the frames over directly and sends a request to
+several of a node's ranks once, for the agent to sign per rank (outbox.py). Messages are decoded only as far as routing needs (issue 14): every
 message's HMAC signature is checked, headers are plain JSON (only the date is parsed, for
 :class:`SendClock`), and a
 ``status`` other than ``idle``, an ``execute_input``, or an ``idle`` nobody listens for is
@@ -86,6 +87,20 @@ def _content(msg_type: str, raw: bytes) -> dict:
     return content
 
 
+_last_request: list = [None, None, None, []]  # the last cell sent: its metadata, content, buffers, packed
+
+
+def _packed_once(session: Session, metadata: dict | None, content: dict, buffers: list | None) -> list[bytes]:
+    """The frames after the header of a cell's execute_request, packed once for all its ranks:
+    a cell sends the same metadata and content objects to each (and never changes them), so
+    the wire sees the same frames and a node's agent gets them once (outbox.py)."""
+    last = _last_request
+    if metadata is not last[0] or content is not last[1] or buffers is not last[2]:
+        last[:] = [metadata, content, buffers,
+                   [b"{}", session.pack(metadata or {}), session.pack(content), *(buffers or ())]]
+    return last[3]
+
+
 class SendClock:
     """When a rank sent its messages, in the parent's clock (``time.monotonic``).
 
@@ -132,8 +147,11 @@ class Wire(Protocol):
         """From now on, hand every incoming message (its channel's name, its frames) to
         ``deliver``, on the running event loop."""
 
-    def send(self, channel: str, frames: list) -> None:
-        """One message to the rank on ``channel`` (shell, control or stdin)."""
+    def send(self, channel: str, header: bytes, shared: list[bytes], sign: Callable[[list[bytes]], bytes]) -> None:
+        """One message to the rank on ``channel`` (shell, control or stdin): its packed header,
+        and its parent header, metadata, content and buffers (``shared``: the same objects for
+        every rank a request went to). Signed here (``sign``), or by the rank's node agent, which
+        holds its key (remote.py: the agent fans one message out to the node's ranks)."""
 
     def close(self) -> None: ...
 
@@ -180,9 +198,9 @@ class SocketWire:
             loop.add_reader(zmq_fd(sock), self._drain, channel, sock)
             loop.call_soon(self._drain, channel, sock)
 
-    def send(self, channel: str, frames: list) -> None:
+    def send(self, channel: str, header: bytes, shared: list[bytes], sign: Callable[[list[bytes]], bytes]) -> None:
         sock = self._sockets[channel]
-        sock.send_multipart(frames)
+        sock.send_multipart([DELIM, sign([header, *shared[:3]]), header, *shared])
         if self._loop is not None:
             # a send can swallow the edge of ZMQ's file descriptor: look for replies now too
             self._loop.call_soon(self._drain, channel, sock)
@@ -317,8 +335,11 @@ class RankChannel:
         header = {"msg_id": msg_id, "msg_type": msg_type, "username": session.username,
                   "session": session.session, "version": _PROTOCOL_VERSION,
                   "date": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
-        parts = [session.pack(header), b"{}", session.pack(metadata or {}), session.pack(content)]
-        self.wire.send(channel, [DELIM, session.sign(parts), *parts, *(buffers or ())])
+        if msg_type == "execute_request":
+            shared = _packed_once(session, metadata, content, buffers)
+        else:
+            shared = [b"{}", session.pack(metadata or {}), session.pack(content), *(buffers or ())]
+        self.wire.send(channel, session.pack(header), shared, session.sign)
 
     async def shell_request(self, msg_type: str, content: dict, timeout: float = 10.0,
                             channel: str = "shell") -> dict:

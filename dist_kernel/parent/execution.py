@@ -34,9 +34,22 @@ if TYPE_CHECKING:
 REFORMED = ("\x1b[1;33mdist_kernel:\x1b[0m the process group was re-formed; every rank's variables "
             "survived. Objects bound to the old group (DistributedDataParallel wrappers, new_group() "
             "handles) must be created again.")
-RESTART_FOR_FRESH = "Restart the kernel to start fresh ranks; the group cannot continue without it."
+def respawn_hint(ranks: list[int] | tuple[int, ...]) -> str:
+    """How to go on after rank(s) died: the survivors kept their variables."""
+    which = format_ranks(ranks)
+    return (f"The other ranks keep their variables; the process group is down until rank {which} is back. Run "
+            f"%dist_respawn to start a fresh rank {which} in its place (its namespace is empty: rebuild what it "
+            "needs, or copy it with %dist_sync NAME), or restart the kernel.")
 
 log = logging.getLogger("dist_kernel")
+
+
+def respawned(ranks: list[int]) -> str:
+    """What the kernel says once dead ranks were started anew."""
+    which = format_ranks(ranks)
+    return (f"\x1b[1;33mdist_kernel:\x1b[0m rank {which} was started anew in its place and the process group was "
+            f"formed again; the other ranks kept their variables. Rank {which}'s namespace is empty: rebuild "
+            "what it needs, or copy it with %dist_sync NAME [NAME ...] [--from R].")
 
 
 @dataclass
@@ -65,6 +78,7 @@ class CellSpec:
     hang_grace: float = 10.0
     rich_from: int | None = None  # rich output from this rank only (``%dist_output rank0``)
     reform_timeout: float = 120.0  # for re-forming a group the cell broke
+    respawn: bool = False  # --respawn on: a rank that died is started anew once the cell ends
     parent: dict = field(default_factory=dict)  # the frontend's request
 
 
@@ -134,8 +148,7 @@ class CellRun:
             return
         exc = fut.exception()
         if exc is not None:
-            self.on_rank_lost(rank, RankDiedError, str(exc),
-                              "Restart the kernel to start fresh ranks (the group cannot continue without it).")
+            self.on_rank_lost(rank, RankDiedError, str(exc), respawn_hint([rank]))
             return
         msg = fut.result()
         self.reply_metadata[rank] = msg.get("metadata") or {}
@@ -156,6 +169,11 @@ class CellRun:
             self._looking.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._looking
+        dead = self.dead()
+        for r, err in list(self.relay.merger.errors.items()):
+            if dead and r not in dead and fault_policy.broken_by_a_death(err):
+                self.relay.set_error(r, error_content(RankDiedError, f"rank {r}'s collective lost its peer: rank "
+                                                      f"{format_ranks(dead)} died"))
         return self.relay.close()
 
     def mark_stuck(self, rank: int, ename: ErrorName, evalue: str, lines: list[str]) -> None:
@@ -253,8 +271,7 @@ class CellRun:
         """A rank's process is gone (the supervisor noticed): its part of the cell ends."""
         tail = self.via.log_tail(rank, 15)
         self.on_rank_lost(rank, RankDiedError, f"rank {rank} ({self.via.describe(rank)}) {reason}",
-                          (f"Last output of the rank process:\n{tail}\n" if tail.strip() else "")
-                          + RESTART_FOR_FRESH)
+                          f"Last output of the rank process:\n{tail}\n" if tail.strip() else "")
 
     def on_rank_stopped(self, rank: int) -> None:
         """A rank of the cell was stopped (SIGSTOP, a debugger): say so once."""
@@ -279,7 +296,7 @@ class CellRun:
         """Run the cell to its end (:meth:`wait`), re-form the group if it broke, and return
         its result: the cell's error with the notes about the group (or None), and its reply."""
         error = await self.wait()
-        if self.group_broken or self.group_broke() or self.destroyed():
+        if self.group_broken or self.group_broke() or self.destroyed() or self.dead():
             await self._recover_group()
         if error is not None:
             error = dict(error, traceback=error["traceback"] + self.notes)
@@ -320,13 +337,27 @@ class CellRun:
                     return
         if decision == "down":
             self.notes.append(fault_policy.DOWN)
-        elif decision == "restart":
-            self.notes.append("A rank died, so the process group cannot be re-formed: restart the kernel.")
+        elif decision == "respawn":
+            await self._respawn()
         elif decision == "later":
             self.group.reform_pending = True
             self.notes.append(f"rank {format_ranks(sorted(self.group.left_running))} is still running its cell; "
                               "the process group is re-formed before the next cell once it is back (restart "
                               "the kernel if it does not come back).")
+
+    async def _respawn(self) -> None:
+        """Rank(s) died: start them anew now (``--respawn on``), or say how to."""
+        dead = self.dead()
+        if not self.spec.respawn:
+            self.notes.append(respawn_hint(dead))
+            return
+        try:
+            started = await asyncio.wait_for(self.via.respawn(dead, auto=True), self.spec.reform_timeout)
+        except Exception as e:  # noqa: BLE001 - it keeps dying, or could not start: say so
+            self.notes.append(f"--respawn on: {e}")
+            self.notes.append(respawn_hint(self.dead()))
+            return
+        self.notes.append(respawned(started))
 
     def interrupt(self) -> list[int]:
         """The stop button: the busy ranks to send SIGINT now. A rank is signalled at most

@@ -3,9 +3,12 @@
 The kernel feeds in what it knows (which ranks are busy, finished, dead or stopped, where
 each busy rank waits, the time) and gets back a decision. The rules:
 
-1. **Dead peer.** A rank of the group died while others are busy: stop the survivors
-   (interrupt them; they cannot finish without it), and give up on any still busy a few
-   seconds later.
+1. **Dead peer.** A rank of the group died while others are busy: tear the group down on
+   the survivors, once, so that those blocked in a collective with the dead rank raise at
+   once; the others are not stopped (a rank that computes finishes, or raises at its next
+   collective), and every survivor keeps its variables. After the cell (:func:`after_cell`)
+   the dead rank is started anew (``%dist_respawn``, or at once with ``--respawn on``), unless
+   it keeps dying (:func:`keeps_dying`).
 2. **Waiting for an idle rank.** A busy rank blocked in a collective whose group holds a rank
    that is idle (finished the cell, or not selected by ``%%rank``) waits for a rank that will
    never come. So does a busy rank in ``backward()`` whose default group has started more
@@ -19,7 +22,7 @@ each busy rank waits, the time) and gets back a decision. The rules:
    count keeps a rank that only computes there, such as a checkpoint written by rank 0 alone
    with ``no_dist=True``, from being taken for a blocked one). Once
    every busy rank is blocked in one of these ways, and at least one of them waits for an idle
-   rank, tear the group down on the idle ranks: the blocked ones raise at once.
+   rank, tear the group down on every rank: the blocked ones raise at once.
    Grace: ``hang_grace`` after the first rank finished (or after the start, when ``%%rank``
    left ranks out), 1 s when a finished rank failed.
 3. **Mismatched collectives.** Every busy rank is blocked in a torch.distributed call, none is
@@ -47,6 +50,19 @@ each busy rank waits, the time) and gets back a decision. The rules:
    is stopped there, the others wait for it as they would under a debugger in torchrun; the
    kernel does not look, judge or call anyone stuck until it goes on, a rank dies or stop is
    pressed.
+8. **NCCL stalls.** NCCL starts each collective asynchronously: a rank whose peer never enters
+   one does not block in it, but later, in a CUDA synchronisation (``loss.item()``), with no
+   torch.distributed call on the stack. Its ``where`` then names that wait (``cuda_wait``) and
+   the collectives torch's flight recorder holds as pending (``pending``). A pending collective
+   of the default group whose sequence number is above an idle member's count (``group_seq``:
+   on NCCL, collectives alone, as the recorder numbers them) is one that rank never entered:
+   the busy rank is blocked as in rule 2, and judged with its grace. An idle rank that did enter
+   it (its GPU still on its way there) is waited for. NCCL frees a waiting GPU only when the
+   rank aborts its own communicators, so the group is torn down on every rank; the error names
+   each rank's pending collectives and the tensors that may hold a partial result (their
+   outputs, by dtype and shape). A pending point-to-point call, or one on another group, is not
+   judged (idle ranks report the default group's count alone); the stop button frees it all the
+   same (rule 4: the CUDA wait counts as a C++ call of torch's distributed code).
 
 A legitimate long collective that every rank is in, and a long computation, are never cut.
 """
@@ -59,7 +75,7 @@ from typing import Literal, TypeAlias
 
 from dist_kernel.exceptions import CollectiveHangError, RankDiedError
 from dist_kernel.parent.magics import format_ranks
-from dist_kernel.protocol import Place
+from dist_kernel.protocol import Pending, Place
 
 #: after a finished rank failed, or after an interrupt, how long others may stay busy
 FAST_GRACE = 1.0
@@ -136,6 +152,8 @@ def look_due(cell: Cell, now: float, last_look: float | None) -> bool:
         return now - cell.interrupted_at >= FAST_GRACE and _spaced(now, last_look, FAST_GRACE)
     if cell.torn_down:
         return False  # the blocked ranks raise by themselves
+    if cell.dead:
+        return _spaced(now, last_look, FAST_GRACE)  # free the survivors of a death at once (rule 1)
     if cell.idle:
         grace = FAST_GRACE if cell.errored else cell.hang_grace
         since = cell.started if len(cell.ranks) < len(cell.world) or cell.first_finished is None \
@@ -169,8 +187,8 @@ class Judge:
         # the rules read the ranks that answered; one that did not is never judged stuck
         found = {r: p for r, p in seen.items() if p is not None}
         busy = [r for r in cell.busy if r not in cell.dead]
-        if cell.dead and busy:
-            return self._dead_peer(cell, busy, found, now)
+        if cell.dead and busy and not cell.torn_down:
+            return self._dead_peer(cell, busy, found)
         if cell.interrupted_at is not None:
             return self._after_interrupt(cell, busy, found, now)
         if cell.torn_down or cell.at_breakpoint:
@@ -180,14 +198,13 @@ class Judge:
         return self._mismatched(cell, busy, found, now)
 
     # ---------------------------------------------------------------- rules
-    def _dead_peer(self, cell: Cell, busy: list[int], found: dict[int, Place], now: float) -> Verdict:
+    def _dead_peer(self, cell: Cell, busy: list[int], found: dict[int, Place]) -> Verdict:
         dead = format_ranks(cell.dead)
-        stuck = {}
-        for r in busy:
-            s = found.get(r)
-            where = f" while waiting in torch.distributed.{s.collective}()" if s is not None and _blocked(s) else ""
-            stuck[r] = f"rank {r} was stopped{where}: rank {dead} died"
-        return Verdict("stop", stuck, ename=RankDiedError.__name__)
+        # the ranks blocked now end with the death as their error; one that computes runs on
+        stuck = {r: f"rank {r} was freed from {_blocked_in(found[r])}: rank {dead} died"
+                 for r in busy if r in found and (_blocked(found[r]) or found[r].native or found[r].in_backward)}
+        return Verdict("teardown", stuck, teardown_on=tuple(r for r in cell.world if r not in cell.dead),
+                       ename=RankDiedError.__name__)
 
     def _after_interrupt(self, cell: Cell, busy: list[int], found: dict[int, Place], now: float) -> Verdict:
         assert cell.interrupted_at is not None
@@ -206,21 +223,23 @@ class Judge:
             verdict = self._waiting_for_idle(cell, busy, found)
             if verdict.action != "wait":  # one KeyboardInterrupt, not a hang the stop caused
                 return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(found[r])}"
-                                            for r in verdict.stuck}, teardown_on=verdict.teardown_on,
+                                            + _partial(found[r]) for r in verdict.stuck},
+                               teardown_on=verdict.teardown_on,
                                ename="KeyboardInterrupt")
         # a rank still in a C++ call of torch's distributed code a second after SIGINT did not
         # react to it either (a collective on a group whose count says nothing, say a subgroup's)
         blocked = [r for r in busy if r in found and (_blocked(found[r]) or found[r].native)]
         if blocked:
             return Verdict("teardown", {r: f"rank {r} was interrupted while blocked in {_blocked_in(found[r])}"
-                                       for r in blocked},
+                                       + _partial(found[r]) for r in blocked},
                            teardown_on=tuple(r for r in cell.world if r not in cell.dead),
                            ename=KeyboardInterrupt.__name__)
         return WAIT
 
     def _waiting_for_idle(self, cell: Cell, busy: list[int], found: dict[int, Place]) -> Verdict:
         idle = set(cell.idle)
-        ahead = {r: _behind(cell, found[r]) for r in busy if r in found}
+        ahead = {r: _never_entered(cell, found[r]) if _on_gpu(found[r]) else _behind(cell, found[r])
+                 for r in busy if r in found}
         if not busy or any(not (r in found and (_blocked(found[r]) or ahead[r])) for r in busy):
             return WAIT  # someone still computes (or did not answer): it may yet finish
         waiting = {r: sorted(idle & set(found[r].group_ranks or cell.world)) if _blocked(found[r]) else ahead[r]
@@ -229,11 +248,13 @@ class Judge:
             return WAIT
         stuck = {r: f"rank {r} was blocked in {_blocked_in(found[r])}, which rank "
                     f"{format_ranks(waiting[r] or sorted(idle))} never entered "
-                    f"(idle: finished or not selected by %%rank)" for r in busy}
-        # the idle ranks' teardown frees ranks blocked in a collective with them; a rank waiting
-        # in the rendezvous store (group creation) is freed by its own
-        in_store = {r for r in busy if found[r].store_wait}
-        return Verdict("teardown", stuck, teardown_on=tuple(sorted(idle | in_store)))
+                    f"(idle: finished or not selected by %%rank)" + _partial(found[r]) for r in busy}
+        # on every rank: the idle ranks' teardown frees only ranks blocked *with them*. At 4
+        # ranks, a rank freed that way may be the one another busy rank waits for (gloo's ring
+        # all_reduce: rank 0 waits for rank 1, freed by idle rank 2), and it keeps its connections
+        # open; a rank waiting in the rendezvous store (group creation) is freed only by its own;
+        # and NCCL frees a rank only by its own abort (rule 8)
+        return Verdict("teardown", stuck, teardown_on=tuple(r for r in cell.world if r not in cell.dead))
 
     def _mismatched(self, cell: Cell, busy: list[int], found: dict[int, Place], now: float) -> Verdict:
         if not busy or any(not (r in found and _blocked(found[r])) for r in busy):
@@ -250,7 +271,7 @@ class Judge:
         return Verdict("teardown", stuck, teardown_on=tuple(r for r in cell.world if r not in cell.dead))
 
 
-Reform = Literal["none", "reform", "restart", "later", "down"]
+Reform = Literal["none", "reform", "respawn", "later", "down"]
 
 
 def after_cell(torn_down: bool, broke: bool, dead: Iterable[int], left_running: Iterable[int],
@@ -261,21 +282,44 @@ def after_cell(torn_down: bool, broke: bool, dead: Iterable[int], left_running: 
     cell's error broke it, or the cell destroyed it (``dist.destroy_process_group()``) on some
     ranks only, which breaks it for the others: every rank joins a fresh group (variables
     survive). ``down``: the cell destroyed it on every rank of the ``world``: the user's choice,
-    left as it is (the cell says how to bring it back). ``restart``: a rank is dead (also when
-    it died during a re-formation), so no group can form without a new rank. ``later``: a rank
-    is still running the cell the kernel gave up on; the group is formed again once it is back.
+    left as it is (the cell says how to bring it back). ``respawn``: a rank is dead (also when
+    it died during a re-formation, or while the group was fine), so the group forms again once a
+    new process takes its place. ``later``: a rank is still running the cell the kernel gave up
+    on; the group is formed again once it is back.
     """
+    if any(True for _ in dead):
+        return "respawn"
     destroyed = set(destroyed)
     if destroyed and not (torn_down or broke) and destroyed >= set(world):
         return "down"
     broke = broke or bool(destroyed)
     if not (torn_down or broke):
         return "none"
-    if any(True for _ in dead):
-        return "restart"
     if any(True for _ in left_running):
         return "later"
     return "reform"
+
+
+#: what gloo says when a peer of a collective is gone (its process died, its connection was cut)
+GLOO_BROKEN = ("pair.cc", "Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe")
+
+
+def broken_by_a_death(error: dict) -> bool:
+    """Is a survivor's error only gloo's word that its collective lost a peer (which died)? It
+    is then shown as the death it is, not as gloo's words (rule 1)."""
+    return any(word in str(error.get("evalue", "")) for word in GLOO_BROKEN)
+
+
+#: a rank that died this many times within RESPAWN_WINDOW seconds is not started again by itself
+RESPAWN_LIMIT = 3
+RESPAWN_WINDOW = 60.0
+
+
+def keeps_dying(deaths: Iterable[float], now: float) -> bool:
+    """``--respawn on``: has a rank died :data:`RESPAWN_LIMIT` times within the last
+    :data:`RESPAWN_WINDOW` seconds (``deaths``: when it died)? Then it is not started again
+    in a loop: the kernel says so and suggests a restart (``%dist_respawn`` still can)."""
+    return sum(1 for t in deaths if now - t <= RESPAWN_WINDOW) >= RESPAWN_LIMIT
 
 
 #: what a cell that destroyed the group on every rank says: how to bring it back
@@ -331,8 +375,48 @@ def _behind(cell: Cell, s: Place) -> list[int]:
     return sorted(r for r, seq in cell.idle_seqs.items() if r in cell.idle and r in members and seq < s.group_seq)
 
 
+def _on_gpu(s: Place) -> bool:
+    """Is the rank waiting for the GPU while NCCL collectives it started are pending (rule 8)?"""
+    return bool(s.cuda_wait and s.pending and s.collective is None)
+
+
+def _never_entered(cell: Cell, s: Place) -> list[int]:
+    """The idle ranks that never entered a collective pending on this rank (rule 8): members of
+    its group (the default one) whose count of collectives is below its sequence number."""
+    return sorted(r for r, seq in cell.idle_seqs.items() if r in cell.idle and any(
+        p.default and not p.p2p and (not p.group_ranks or r in p.group_ranks) and seq < p.seq for p in s.pending))
+
+
+def _pending(p: Pending) -> str:
+    """A pending collective in words: ``all_reduce #3 of the default group``."""
+    group = "the default group" if p.default else f"group {p.group}" + (
+        f" (ranks {format_ranks(p.group_ranks)})" if p.group_ranks else "")
+    return f"{p.op} #{p.seq} of {group}"
+
+
+#: the flight recorder's dtype names (c10's), as torch spells them
+_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
+           "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool"}
+
+
+def _partial(s: Place) -> str:
+    """What a rank's NCCL abort leaves behind (rule 8): the outputs of its pending collectives,
+    which may hold partial results, and what to do."""
+    if not _on_gpu(s):
+        return ""
+    outputs = []
+    for p in s.pending:
+        tensors = [f"{_DTYPES.get(d, d)}{list(z)}" for d, z in zip(p.output_dtypes, p.output_sizes, strict=False)]
+        outputs.append(f"{_pending(p)}: {', '.join(tensors) or 'no tensor'}")
+    return (". Its NCCL communicators were aborted to free it; CUDA tensors survive, but the output of each "
+            f"pending collective may hold a partial result ({'; '.join(outputs)}): compute it again, and run "
+            "collectives on every rank")
+
+
 def _blocked_in(s: Place) -> str:
     """Where a blocked rank waits, in words."""
+    if _on_gpu(s):  # rule 8: NCCL's collectives, started before the wait
+        return f"{s.cuda_wait}, a CUDA synchronisation behind NCCL {', '.join(_pending(p) for p in s.pending)}"
     if s.collective is None and s.native and not s.in_backward:  # ahead of an idle rank (rule 2)
         return f"{s.native} (a collective that torch started in C++)"
     if s.collective is None:  # ahead of an idle rank (rule 2): nothing on the stack names it

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import signal
 import sys
 import threading
@@ -30,6 +31,7 @@ from dist_kernel.options import KernelConfig
 from dist_kernel.parent.comms import COMM_TYPES, CommRouter
 from dist_kernel.parent.debugger import DebugSession, debugpy_available
 from dist_kernel.parent.execution import CellRun, CellSpec, GroupState
+from dist_kernel.parent.group_magics import IdleRespawn, run_group_magics
 from dist_kernel.parent.held import HeldBusy, pressed_before, sent_at
 from dist_kernel.parent.magics import plan_cell
 from dist_kernel.parent.merge import DisplayRegistry
@@ -37,13 +39,16 @@ from dist_kernel.parent.one_rank import OneRankRequests
 from dist_kernel.parent.ranks import Ranks, SupervisedRanks
 from dist_kernel.parent.relay import Outlet, OutputRelay
 from dist_kernel.parent.replies import always_reply
-from dist_kernel.parent.startup import StartWait, unusable
+from dist_kernel.parent.startup import StartWait, dead_in, unusable
 from dist_kernel.parent.status import run_parent_magics
 from dist_kernel.parent.stdin import InputBroker
 from dist_kernel.parent.supervisor import RankSupervisor
 from dist_kernel.parent.throttle import OutputBudget
 from dist_kernel.parent.top import TopMonitor
 from dist_kernel.protocol import META_CELL, META_RANKS, META_SOURCE, with_meta
+
+AT_BREAKPOINT = ("rank {rank} is stopped at a breakpoint (debugger): the other ranks run on until they wait for it "
+                 "in a collective. Continue in the debugger, or press stop to end the cell on every rank.")
 
 
 class DistributedKernel(OneRankRequests, Kernel):
@@ -85,6 +90,7 @@ class DistributedKernel(OneRankRequests, Kernel):
         self.group = GroupState()  # ranks left running, a pending re-formation: from cell to cell
         self._warnings: list[str] = []  # the configuration's warnings, shown once, in the first cell
         self._exiting = False
+        self._idle_respawn = IdleRespawn()  # --respawn on: a rank that died between cells
         # a cell's busy and execute_input, held back until its requests are on their way to the
         # ranks (see _publish_status): the ranks start sooner, and nothing is published before them
         base = super()
@@ -151,6 +157,9 @@ class DistributedKernel(OneRankRequests, Kernel):
             stopped = await self._starting.wait(ranks, self.get_parent("shell"))
             if stopped:
                 return stopped
+        if self._idle_respawn.pending:  # --respawn on: a rank that died between cells comes back first
+            self._held.release()
+            await self._idle_respawn.settle(functools.partial(self._publish, self.get_parent("shell")))
         return unusable(ranks)
 
     # ------------------------------------------------------------- execute
@@ -193,33 +202,38 @@ class DistributedKernel(OneRankRequests, Kernel):
             plan = plan_cell(code, cfg.world_size)
         except RankSpecError as e:
             return self._fail(parent, error_content(RankSpecError, str(e)), silent)
+        say = lambda t, c: self._publish(parent, t, c)  # noqa: E731 - one line, many uses
         if plan.magics:
             self._held.release()
-            err = await self.debug.run_magics(ranks, plan.magics, lambda t, c: self._publish(parent, t, c)) \
-                or self.top.run_magics(plan.magics, lambda t, c: self._publish(parent, t, c)) \
-                or await run_parent_magics(ranks, plan.magics, lambda t, c: self._publish(parent, t, c),
-                                           self._set_output_policy)
+            err = await self.debug.run_magics(ranks, plan.magics, say) or self.top.run_magics(plan.magics, say) \
+                or await run_parent_magics(ranks, plan.magics, say, self._set_output_policy) \
+                or await run_group_magics(ranks, plan.magics, say, getattr(self.dist_config, "world_size", 0))
             if err:
                 return self._fail(parent, err, silent)
             if not plan.code.strip():
                 return {"status": "ok", "execution_count": self.execution_count, "user_expressions": {},
                         "payload": []}
 
+        cfg = ranks.config  # %dist_ranks may have changed it
+        err = dead_in(ranks, plan.ranks)
+        if err:
+            return self._fail(parent, err, silent)
         if self.group.reform_pending and not self.group.left_running:
             self._held.release()
             await self.group.reform_if_due(ranks, cfg.startup_timeout)
         spec = CellSpec(plan.ranks, tuple(range(cfg.world_size)), self.execution_count, cfg.merge_window,
                         hang_grace=cfg.hang_grace, rich_from=plan.ranks[0] if self.output_policy == "rank0" else None,
-                        reform_timeout=cfg.startup_timeout, parent=parent)
+                        reform_timeout=cfg.startup_timeout, respawn=cfg.respawn, parent=parent)
         run = CellRun(spec, self._outlet(parent), ranks, group=self.group, debug_stopped=self.debug.stopped_ranks)
         content = {"code": plan.code, "silent": silent, "store_history": store_history,
                    "user_expressions": user_expressions or {}, "allow_stdin": allow_stdin,
                    "stop_on_error": False}
-        # the cell's ranks travel along: rank-side code (fastai's show_batch) shows what one
-        # process would show once, from the cell's first rank
+        # a selection's ranks travel along (not the whole world's: no request grows with the ranks):
+        # rank-side code (fastai's show_batch) shows what one process would once, from the first
         # and the frontend's msg_id: comms the ranks open for it are named after it (widgets as one)
         meta = with_meta({"cellId": cell_id} if cell_id else {},
-                         {META_RANKS: list(plan.ranks), META_CELL: parent["header"]["msg_id"],
+                         {**({} if plan.ranks == spec.world else {META_RANKS: list(plan.ranks)}),
+                          META_CELL: parent["header"]["msg_id"],
                           # the debugger's file of the cell is named after the source the frontend sent
                           **({META_SOURCE: code} if plan.code != code else {})})
         # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
@@ -265,12 +279,14 @@ class DistributedKernel(OneRankRequests, Kernel):
 
     # ------------------------------------------------------- rank events
     def on_rank_death(self, rank: int, reason: str) -> None:
-        """A rank's process is gone (the supervisor noticed)."""
+        """A rank's process is gone (the supervisor noticed); between cells, ``--respawn on`` acts."""
         if self._exiting:
             return  # exit() ends every rank on purpose
         self.log.error("rank %d %s", rank, reason)
         if self._current is not None:
             self._current.on_rank_died(rank, reason)
+        elif self.ranks is not None:
+            self._idle_respawn.died(self.ranks, rank, reason)
 
     def on_start_note(self, text: str) -> None:
         """The launcher's news while the ranks start (waiting in the Slurm queue, job id): shown
@@ -291,9 +307,7 @@ class DistributedKernel(OneRankRequests, Kernel):
     def _debug_stopped(self, rank: int) -> None:
         """The debugged rank stopped at a breakpoint: the running cell says so, once."""
         if self._current is not None:
-            self._current.notice(f"rank {rank} is stopped at a breakpoint (debugger): the other ranks run on until "
-                                 "they wait for it in a collective. Continue in the debugger, or press stop to "
-                                 "end the cell on every rank.", key=("breakpoint", rank))
+            self._current.notice(AT_BREAKPOINT.format(rank=rank), key=("breakpoint", rank))
 
     async def do_debug_request(self, msg: dict) -> dict:
         """JupyterLab's debugger: answered by one rank's (parent/debugger.py), on the main loop."""

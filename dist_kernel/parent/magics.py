@@ -17,6 +17,9 @@ Line magics the parent answers itself, on a cell's leading lines:
   alone, it says which (:mod:`dist_kernel.parent.debugger`).
 - ``%dist_top`` / ``%dist_top off``: a live table of each rank's state and load while cells run
   (:mod:`dist_kernel.parent.top`).
+- ``%dist_respawn [SPEC]``, ``%dist_ranks [N]``, ``%dist_sync NAME [NAME ...] [--from R]``: start
+  dead ranks anew, change the rank count in place, copy variables from one rank to the others
+  (:mod:`dist_kernel.parent.group_magics`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ _PIECE = re.compile(r"^([0-9]+)(?:\s*-\s*([0-9]+))?$")  # not \d: it matches eve
 _CELL_MAGIC = re.compile(r"^\s*%%\w")
 
 
-PARENT_MAGICS = ("dist_status", "dist_output", "dist_empty_cache", "dist_debug", "dist_top")
+PARENT_MAGICS = ("dist_status", "dist_output", "dist_empty_cache", "dist_debug", "dist_top", "dist_respawn",
+                 "dist_ranks", "dist_sync")
 _PARENT_LINE = re.compile(r"^\s*%(?P<name>" + "|".join(PARENT_MAGICS) + r")\b(?P<arg>.*)$")
 
 

@@ -16,12 +16,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from dist_kernel.parent import membership
 from dist_kernel.processes import state_words
 
 if TYPE_CHECKING:
     from dist_kernel.options import KernelConfig
     from dist_kernel.parent.supervisor import RankSupervisor
-    from dist_kernel.protocol import Place
+    from dist_kernel.protocol import Place, Synced
 
 #: an IOPub message of a rank, for the request it was sent for
 IOPubHandler = Callable[[dict], None]
@@ -51,6 +52,10 @@ class CellRanks(Protocol):
 
     async def form_group(self) -> None:
         """Every rank joins a fresh process group."""
+
+    async def respawn(self, ranks: list[int] | None = None, auto: bool = False) -> list[int]:
+        """Start dead ranks anew (default: every dead one) and form the group again; the ranks
+        started. Raises :class:`~dist_kernel.exceptions.ConfigError` saying why it cannot."""
 
     def alive(self, rank: int) -> bool:
         """Is the rank's process still there?"""
@@ -118,6 +123,12 @@ class Ranks(CellRanks, Protocol):
     async def set_option(self, name: str, on: bool) -> list[int]:
         """Switch a rank-side option everywhere; the ranks that did not confirm."""
 
+    async def resize(self, n: int) -> tuple[list[int], list[int]]:
+        """``%dist_ranks N``: the ranks started and ended to have ``n``; the group is formed again."""
+
+    async def sync(self, names: list[str], src: int) -> dict[int, Synced | str]:
+        """``%dist_sync``: each rank's reply, or why it gave none."""
+
     async def shutdown(self, now: bool = False) -> None:
         """End every rank."""
 
@@ -163,6 +174,15 @@ class SupervisedRanks:
 
     async def form_group(self) -> None:
         await self.sup.form_group()
+
+    async def respawn(self, ranks: list[int] | None = None, auto: bool = False) -> list[int]:
+        return await membership.respawn(self.sup, ranks, auto=auto)
+
+    async def resize(self, n: int) -> tuple[list[int], list[int]]:
+        return await membership.resize(self.sup, n)
+
+    async def sync(self, names: list[str], src: int) -> dict[int, Synced | str]:
+        return await membership.sync(self.sup, names, src)
 
     def live(self) -> list[int]:
         return self.sup.live_ranks()

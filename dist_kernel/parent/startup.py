@@ -67,15 +67,25 @@ class StartWait:
 
 
 def unusable(ranks: Ranks) -> dict | None:
-    """Once the ranks are ready: the error to show when cells cannot run on them (they did not
-    start, or a rank has died since)."""
+    """Once the ranks are ready: the error to show when no cell can run on them (they did not start)."""
     if ranks.start_error:
         return error_content(RankStartError, ranks.start_error)
-    dead = [r for r in range(ranks.config.world_size) if not ranks.alive(r)]
-    if dead:
-        what = "; ".join(f"rank {r} ({ranks.describe(r)}) {ranks.exit_reason(r)}" for r in dead)
-        return error_content(
-            RankDiedError, what,
-            ["The process group cannot continue without it. Restart the kernel "
-             "(Kernel > Restart) to start fresh ranks; variables are lost."])
     return None
+
+
+def dead_in(ranks: Ranks, cell_ranks: tuple[int, ...]) -> dict | None:
+    """The error of a cell that names a rank that has died (and was not started anew): the
+    cell does not run; the survivors kept their variables, and cells on them alone still run."""
+    dead = [r for r in cell_ranks if not ranks.alive(r)]
+    if not dead:
+        return None
+    what = "; ".join(f"rank {r} ({ranks.describe(r)}) {ranks.exit_reason(r)}" for r in dead)
+    which = ",".join(map(str, dead))
+    if not ranks.live():  # nothing survived (a lost node, a cancelled job): nothing to keep
+        return error_content(RankDiedError, what, ["Every rank is gone. Restart the kernel (Kernel > Restart) to "
+                                                    "start fresh ranks; variables are lost."])
+    return error_content(
+        RankDiedError, what,
+        [f"The cell did not run. The other ranks kept their variables. Run %dist_respawn to start a fresh rank "
+         f"{which} in its place (its namespace is empty: rebuild what it needs, or copy it with %dist_sync NAME), "
+         "or restart the kernel (Kernel > Restart). Until then, cells with %%rank on the other ranks run."])

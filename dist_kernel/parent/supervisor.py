@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from dist_kernel import protocol
@@ -118,6 +118,8 @@ class RankSupervisor:
         # continue is noticed even if its event was lost (a handful of ranks, never all)
         self._stopped: set[int] = set()
         self._fault_reported = False
+        #: when each rank died (monotonic), for --respawn's "keeps dying" rule
+        self.deaths: dict[int, list[float]] = {}
         # cleans up if this process is SIGKILLed (see reaper.py); exits when the dir is gone
         self._reaper = subprocess.Popen(
             [sys.executable, "-m", "dist_kernel.parent.reaper", str(os.getpid()), self.runtime_dir],
@@ -156,7 +158,7 @@ class RankSupervisor:
 
         async def bring_up(handle: RankHandle) -> None:
             try:
-                await self._connect(handle)
+                await self.connect(handle)
             finally:
                 slots.release()
             await self._join(handle.rank, first=True)
@@ -178,7 +180,8 @@ class RankSupervisor:
             for t in tasks:
                 t.cancel()
 
-    async def _connect(self, process: RankHandle) -> None:
+    async def connect(self, process: RankHandle) -> None:
+        """Know a launched rank, and wait until it answers (also for a rank started anew)."""
         rank = process.rank
         r = Rank(rank=rank, process=process)
         self.ranks[rank] = r
@@ -209,11 +212,12 @@ class RankSupervisor:
             return f"The rank process {reason} while starting. Restart the kernel to try again."
         return "Restart the kernel to try again; on a slow or busy machine raise --startup-timeout."
 
-    async def form_group(self) -> None:
+    async def form_group(self, fresh: Collection[int] = ()) -> None:
         """Every rank joins a fresh process group (a new store file per formation): used to
-        re-form the group after a failure tore it down."""
+        re-form the group after a failure tore it down, or after ranks were started anew
+        (``fresh``: they join as at start, seeded and switched)."""
         self.generation += 1
-        await asyncio.gather(*(self._join(r, first=False) for r in self.ranks))
+        await asyncio.gather(*(self._join(r, first=r in fresh) for r in self.ranks))
 
     async def _join(self, rank: int, first: bool) -> None:
         """One rank joins the group of the current generation."""
@@ -223,7 +227,8 @@ class RankSupervisor:
         req = protocol.Join(rank=rank, world_size=cfg.world_size, local_rank=cfg.local_rank_of(rank),
                             backend=cfg.backend, store=self._store(),
                             timeout=cfg.timeout, use_cuda=cfg.uses_cuda, first=first,
-                            seed=self.seed if first else None, switches=cfg.rank_switches())
+                            seed=self.seed if first else None, switches=cfg.rank_switches(),
+                            local_world_size=cfg.ranks_per_node)
         try:
             reply = await r.channel.request(req, timeout=cfg.startup_timeout)
         except RankRequestError as e:
@@ -365,6 +370,7 @@ class RankSupervisor:
         if not r.alive:
             return
         r.exit_reason = reason
+        self.deaths.setdefault(r.rank, []).append(time.monotonic())
         if r.channel is not None:
             r.channel.fail_pending(f"rank {r.rank} ({r.where}) {reason}")
         with contextlib.suppress(Exception):

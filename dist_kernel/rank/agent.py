@@ -22,8 +22,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from types import FrameType
 
-from dist_kernel.protocol import META_RANKS, META_SOLO, Done, Place, RankStatus, meta_of, with_meta
-from dist_kernel.rank import store
+from dist_kernel.protocol import META_RANKS, META_SOLO, Done, Place, RankStatus, meta_of, ranks_from, with_meta
+from dist_kernel.rank import nccl, store
 
 _state: dict[str, object] = {"empty_cache": True, "busy": False}
 
@@ -169,13 +169,19 @@ def where() -> Place:
             value = args.get(name)
             if isinstance(value, int) and collective in ("send", "recv", "isend", "irecv"):
                 peer = value
+    cuda_wait, pending = "", []
+    if dist_frame is None and busy and not store_wait and nccl.recording():
+        cuda_wait = nccl.cuda_wait(frame)
+        pending = nccl.pending() if cuda_wait else []  # the recorder is read only then
+        if pending and not native:  # a C++ wait for a collective: looked at as DDP's is (idle counts, stop)
+            native, group_ranks, seq = cuda_wait, pending[0].group_ranks, pending[0].seq
     summary = [fs for fs in traceback.extract_stack(frame) if _user_frame(fs.filename)] if busy else []
     stack = [f'  File "{_short(fs.filename)}", line {fs.lineno}, in {fs.name}\n    {fs.line or ""}' for fs in summary]
     cell = [fs for fs in summary if _short(fs.filename) == "cell"]
     line = f"line {cell[-1].lineno}: {cell[-1].line}" if cell else ""
     return Place(collective=collective, group_ranks=group_ranks, peer=peer, seq=seq, stack=stack,
                  line=line, busy=busy, store_wait=store_wait, in_code=in_code(), group_seq=group_seq(),
-                 in_backward=backward, native=native)
+                 in_backward=backward, native=native, cuda_wait=cuda_wait, pending=pending)
 
 
 #: torch's code that starts collectives in C++, with no torch.distributed collective on the stack
@@ -260,7 +266,7 @@ def group_broke(exc: BaseException | None) -> bool:
     for _ in range(10):
         if exc is None or dist_error is None:
             return False
-        if isinstance(exc, dist_error):
+        if isinstance(exc, (dist_error, nccl.GroupAborted)):
             return True
         if isinstance(exc, RuntimeError) and "gloo" in str(exc) and any(w in str(exc) for w in _GLOO_BROKEN):
             return True
@@ -363,8 +369,8 @@ def dropped_output() -> Iterator[None]:
 def cell_ranks() -> tuple[int, ...]:
     """The ranks that run the current cell (a ``%%rank`` line may name fewer than all).
 
-    The parent puts them in the execute_request's metadata (``dist_kernel.ranks``); outside a
-    cell, or from an older parent, every rank of the group.
+    The parent puts them in the execute_request's metadata (``dist_kernel.ranks``) where they
+    are not the whole world; otherwise, and outside a cell, every rank of the group.
     """
     from IPython import get_ipython
 
@@ -374,9 +380,9 @@ def cell_ranks() -> tuple[int, ...]:
         meta = kernel.get_parent("shell").get("metadata") or {} if kernel is not None else {}
     except Exception:  # noqa: BLE001 - no request in this context
         meta = {}
-    ranks = meta_of(meta).get(META_RANKS)
-    if isinstance(ranks, list) and all(isinstance(r, int) for r in ranks) and ranks:
-        return tuple(ranks)
+    ranks = ranks_from(meta_of(meta).get(META_RANKS))
+    if ranks:
+        return ranks
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return tuple(range(world))
 
@@ -424,11 +430,20 @@ def teardown_group(peer_pids: list[int], peer_hosts: list[str] | None = None) ->
     main thread when it is blocked itself (every rank in mismatched collectives): so the
     rank also shuts down its TCP connections to the peer ranks, which is what a dead peer
     looks like to gloo ("Connection closed by peer"). A wait in the rendezvous store (group
-    creation) is ended too. The group is formed again afterwards.
+    creation) is ended too. An NCCL rank aborts its communicators instead, which alone frees a
+    GPU waiting for a peer (:func:`dist_kernel.rank.nccl.abort`). The group is formed again
+    afterwards.
     """
     released = store.release()
-    cut = cut_connections(peer_pids, peer_hosts or [])
+    # never rank 0's rendezvous (across machines, a TCPStore kept for the kernel's life): the
+    # next formation meets there again
+    cut = cut_connections(peer_pids, peer_hosts or [], keep_port=next(iter(store.tcp_port), None))
     outcome = f"cut {cut} connection(s)" + (", ended a wait in the store" if released else "")
+    if nccl.in_use() and group_up():
+        try:
+            outcome += ", " + nccl.abort(interrupt_main=bool(_state.get("busy")) and in_code())
+        except Exception as e:  # noqa: BLE001 - reported; the destroy below may still work
+            outcome += f", abort failed: {type(e).__name__}: {e}"
     if not _state.get("busy"):
         try:
             import torch.distributed as dist
@@ -441,9 +456,12 @@ def teardown_group(peer_pids: list[int], peer_hosts: list[str] | None = None) ->
     return Done(outcome=outcome)
 
 
-def cut_connections(peer_pids: list[int], peer_hosts: list[str] = ()) -> int:  # type: ignore[assignment]
+def cut_connections(peer_pids: list[int], peer_hosts: list[str] = (),  # type: ignore[assignment]
+                    keep_port: int | None = None) -> int:
     """Shut down this process's established TCP connections to the given processes on this
-    machine, and to every process on the given other machines (IPv4 addresses; Linux)."""
+    machine, and to every process on the given other machines (IPv4 addresses; Linux); those
+    from or to ``keep_port`` (the rendezvous store) stay."""
+    kept = f":{keep_port:04X}" if keep_port else None
     table = _tcp_table()
     peers: set[str] = set()
     for pid in peer_pids:
@@ -452,6 +470,8 @@ def cut_connections(peer_pids: list[int], peer_hosts: list[str] = ()) -> int:  #
     cut = 0
     for inode, fd in _socket_inodes(os.getpid()).items():
         local, remote, state = table.get(inode, ("", "", ""))
+        if kept and (local.endswith(kept) or remote.endswith(kept)):
+            continue
         if state == "01" and (remote in peers or remote.rsplit(":", 1)[0] in hosts):  # 01: ESTABLISHED
             try:
                 with socket.socket(fileno=os.dup(fd)) as sock:

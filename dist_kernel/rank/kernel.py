@@ -241,8 +241,10 @@ class RankKernel(IPythonKernel):
         except protocol.ProtocolError as e:
             self._dist_reply(stream, ident, parent, op, protocol.ErrorReply("ProtocolError", str(e)))
             return
-        if isinstance(req, protocol.Join):
-            asyncio.ensure_future(self._answer(stream, ident, parent, req.op, self._on_main(_join, req)))
+        if isinstance(req, (protocol.Join, protocol.Sync)):
+            # both are collectives of the whole group, on the main thread (CUDA's device is per thread)
+            work = _join if isinstance(req, protocol.Join) else _sync
+            asyncio.ensure_future(self._answer(stream, ident, parent, req.op, self._on_main(work, req)))
         elif isinstance(req, protocol.Teardown):
             # destroying a group can wait on its work threads: never on the control loop itself
             loop = asyncio.get_running_loop()
@@ -400,6 +402,13 @@ def _join(req: protocol.Join) -> protocol.Joined:
     finally:
         signal.signal(signal.SIGINT, previous)
     return protocol.Joined(device=device)
+
+
+def _sync(req: protocol.Sync) -> protocol.Synced:
+    """``%dist_sync``: copy variables from one rank to the others (:mod:`dist_kernel.rank.sync`)."""
+    from dist_kernel.rank import sync
+
+    return sync.sync(req)
 
 
 def _set_option(req: protocol.SetOption) -> protocol.Done:

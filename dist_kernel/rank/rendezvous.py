@@ -18,7 +18,7 @@ from datetime import timedelta
 
 from dist_kernel import placement
 from dist_kernel.protocol import Join
-from dist_kernel.rank import agent, store, switches
+from dist_kernel.rank import agent, nccl, store, switches
 
 
 def join(req: Join) -> str:
@@ -47,11 +47,14 @@ def join(req: Join) -> str:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - already torn down by a peer
             pass
+    _torchrun_sizes(req)
+    nccl.enable(backend)  # the flight recorder, which shows NCCL stalls (gloo's are seen without it)
     meeting = _store(req)
     dist.init_process_group(backend, store=meeting, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=req.timeout),
                             device_id=device if backend == "nccl" else None)
     store.formed()
+    nccl.formed(backend)
     _master_port(req, meeting)
     _define_names(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
     agent.set_device(str(device))
@@ -60,6 +63,16 @@ def join(req: Join) -> str:
     if req.first:  # later formations keep what %dist_empty_cache (set_option) chose
         switches.start(req.switches)
     return str(device)
+
+
+def _torchrun_sizes(req: Join) -> None:
+    """Keep torchrun's variables true when ``%dist_ranks`` changed the world's size: code that
+    reads ``WORLD_SIZE`` (accelerate, Lightning, a user's own ``init_process_group``) sees the new one."""
+    import os
+
+    os.environ["WORLD_SIZE"] = str(req.world_size)
+    if req.local_world_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(req.local_world_size)
 
 
 #: rank 0's TCPStore (server) or another rank's client of it, kept across formations
@@ -80,6 +93,7 @@ def _store(req: Join):  # no return type: a torch.distributed Store (torch impor
             _check_reachable(req.rank, host, int(port))
         _tcp_store.append(dist.TCPStore(host, int(port), req.world_size, is_master=req.rank == 0,
                                         timeout=timedelta(seconds=req.timeout), wait_for_workers=False))
+        store.tcp_port[:] = [_tcp_store[0].port]
     return dist.PrefixStore(prefix, store.endable(_tcp_store[0]))
 
 

@@ -21,6 +21,9 @@ from typing import Any
 SLICE = 0.05
 
 _lock = threading.Lock()
+#: the port of rank 0's TCPStore across machines, once this rank reached it (set by rendezvous):
+#: a teardown never cuts it, since every later formation meets there again
+tcp_port: list[int] = []
 _state = {"epoch": 0, "waiting": 0, "abandoned": False}
 
 

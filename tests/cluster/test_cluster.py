@@ -15,8 +15,9 @@ What is checked, by group:
   keys gets nothing from the parent's port and runs nothing, and a packet capture on the lab's
   links holds neither a secret a cell printed nor key material the nodes were given (the capture
   proves itself first: it sees the kernel's traffic and a plaintext marker).
-* **faults**: link cut, ``scancel``, SIGKILL of a node agent, of one remote rank and of the
-  parent: reported within seconds naming host and ranks, nothing of ours left on any node.
+* **faults**: link cut, ``scancel``, SIGKILL of a node agent and of the parent: reported within
+  seconds naming host and ranks, nothing of ours left on any node. SIGKILL of one remote rank: named
+  with its host; the survivors keep their variables and ``%dist_respawn`` starts it anew there.
 * **restarts**: five restarts keep at most one Slurm job, none after shutdown.
 """
 
@@ -961,17 +962,37 @@ def test_a_killed_node_agent_is_reported_and_nothing_is_left(fresh_kernel, launc
     after_fault(k, "the agent's SIGKILL")
 
 
+#: a cell that computes and meets the other ranks now and then, as training does
+STEPS = "for step in range(3000):\n    time.sleep(0.1)\n    dist.barrier()"
+
+
+def respawned_in_place(k: ClusterKernel, victim_rank: int, ns: str) -> None:
+    """The survivors kept their variables; ``%dist_respawn`` has the node's agent start the rank
+    anew on the same node, empty; the group works at full size."""
+    survivors = [r for r in range(k.world) if r != victim_rank]
+    res = k.execute(f"%%rank {','.join(map(str, survivors))}\nprint(kept == 100 + rank)")
+    assert res.stream() == "True\n", error_text(res) if res.status != "ok" else res.stream()
+    back = k.execute("%dist_respawn", timeout=240)
+    assert back.status == "ok", error_text(back)
+    assert f"rank {victim_rank} was started anew" in back.stream() and f"on {ns}" in back.stream(), back.stream()
+    assert len(k.ranks_on(ns)) == k.ranks_per_node
+    k.execute(f"%%rank {victim_rank}\n{FIRST_CELL}", timeout=120)
+    k.check_works(120)
+
+
 @pytest.mark.parametrize("launcher", ["slurm", "ssh"])
-def test_a_rank_killed_on_a_node_is_reported_with_its_host(fresh_kernel, launcher):
+def test_a_rank_killed_on_a_node_is_reported_with_its_host_and_started_anew_there(fresh_kernel, launcher):
     k = fresh_kernel
+    k.execute("kept = 100 + rank")
     victim_rank = remote_ranks(k, "n2")[-1]
     (victim,) = [p for p in k.ranks_on("n2") if environ_of(p.pid).get("RANK") == str(victim_rank)]
-    res, took = cell_with_fault(k, lambda: kill_pid(victim))  # as the OOM killer would
+    res, took = cell_with_fault(k, lambda: kill_pid(victim), code=STEPS)  # as the OOM killer would
     text = error_text(res)
     print(f"rank SIGKILL ({launcher}): reported after {took:.1f} s:\n{text[:600]}")
     assert took < REPORT_WITHIN, text
-    assert blames(text, "n2") and names_ranks(text, [victim_rank]) and "SIGKILL" in text, text
-    after_fault(k, "a rank's SIGKILL")
+    assert f"rank {victim_rank} (pid {victim.pid} on n2) was killed by SIGKILL" in text, text
+    assert "%dist_respawn" in text, text
+    respawned_in_place(k, victim_rank, "n2")
 
 
 @pytest.mark.parametrize("launcher", ["slurm"])
@@ -979,6 +1000,7 @@ def test_a_rank_killed_in_a_collective_gives_every_rank_the_clear_message(fresh_
     """Rank 3 (on n2) is killed while every rank loops in all_reduce: its node-mate (rank 2),
     whose gloo pair to it breaks first, says what happened as the others do, not gloo's words."""
     k = fresh_kernel
+    k.execute("kept = 100 + rank")
     victim_rank = remote_ranks(k, "n2")[-1]
     (victim,) = [p for p in k.ranks_on("n2") if environ_of(p.pid).get("RANK") == str(victim_rank)]
     loop = "t = torch.ones(1)\nwhile True:\n    dist.all_reduce(t)"
@@ -988,7 +1010,7 @@ def test_a_rank_killed_in_a_collective_gives_every_rank_the_clear_message(fresh_
     assert "pair.cc" not in text and "Read error" not in text, text
     assert names_ranks(text, [victim_rank]) and "SIGKILL" in text, text
     assert names_ranks(text, list(range(k.world))), text
-    after_fault(k, "a rank's SIGKILL in a collective")
+    respawned_in_place(k, victim_rank, "n2")
 
 
 @pytest.mark.parametrize("launcher", ["slurm", "ssh"])

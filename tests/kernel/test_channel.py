@@ -78,11 +78,12 @@ def test_where_answers_while_the_ranks_main_thread_is_blocked_in_a_gloo_collecti
 def test_a_malformed_request_gets_an_error_reply_and_the_rank_keeps_working(kernel):
     kc = rank_client(kernel, 1)
     try:
-        bad = [{"version": 1, "op": "format_disk", "args": {}},
-               {"version": 1, "op": "set_option", "args": {"name": "empty_cache", "on": "yes"}},
+        v = protocol.VERSION
+        bad = [{"version": v, "op": "format_disk", "args": {}},
+               {"version": v, "op": "set_option", "args": {"name": "empty_cache", "on": "yes"}},
                {"version": 99, "op": "where", "args": {}},
-               {"version": 1, "op": "where", "args": {}, "code": "import os"},
-               {"version": 1, "op": "teardown", "args": {"peer_pids": "all"}}]
+               {"version": v, "op": "where", "args": {}, "code": "import os"},
+               {"version": v, "op": "teardown", "args": {"peer_pids": "all"}}]
         for content in bad:
             reply = ask(kc, content)
             assert reply["status"] == "error" and reply["ename"] == "ProtocolError", reply

@@ -219,22 +219,21 @@ print('DKTEST', json.dumps(dict(rank=rank, ddp=_p.ddp, batches=_p.batches, total
 """
 
 
-def test_a_notebook_using_fastais_own_distrib_ctx_trains_data_parallel_on_cpu_ranks():
+# The tests below run their cells on one shared kernel (``kernel2``), one after the other as in one
+# notebook; the figures test comes last, since it ends with ``%dist_fastai off``.
+def test_a_notebook_using_fastais_own_distrib_ctx_trains_data_parallel_on_cpu_ranks(kernel2):
     # written for `accelerate launch`/notebook_launcher: fastai's DistributedTrainer does the
     # wrapping; the kernel's integration steps aside and accelerate uses the kernel's group
-    k = DistKernel("--ranks", "2")
-    try:
-        res = k.execute(OWN_CTX, timeout=240)
-        assert res.status == "ok", res.reply.get("evalue")
-        ev = {e["rank"]: e for e in (json.loads(m["json"]) for m in _LINE.finditer(res.stream()))}
-        assert set(ev) == {0, 1}
-        for e in ev.values():
-            assert e["ddp"] and e["unwrapped"] and e["accelerate_wraps"] and e["accelerate_world"] == 2
-            assert e["batches"] == e["total"] / 2  # 10 batches of 64, 5 per rank
-        assert ev[0]["state"] == ev[1]["state"]
-        assert "Training Learner..." in res.stream()  # fastai's own rank-0 message, shown once
-    finally:
-        k.shutdown()
+    k = kernel2
+    res = k.execute(OWN_CTX, timeout=240)
+    assert res.status == "ok", res.reply.get("evalue")
+    ev = {e["rank"]: e for e in (json.loads(m["json"]) for m in _LINE.finditer(res.stream()))}
+    assert set(ev) == {0, 1}
+    for e in ev.values():
+        assert e["ddp"] and e["unwrapped"] and e["accelerate_wraps"] and e["accelerate_world"] == 2
+        assert e["batches"] == e["total"] / 2  # 10 batches of 64, 5 per rank
+    assert ev[0]["state"] == ev[1]["state"]
+    assert "Training Learner..." in res.stream()  # fastai's own rank-0 message, shown once
 
 
 # ------------------------------------------------------------------ empty DataLoaders (issue 11, 14)
@@ -264,21 +263,18 @@ print('DKTEST', json.dumps(ev))
 """
 
 
-def test_a_fit_with_an_empty_validation_or_training_set_runs_as_in_plain_fastai():
+def test_a_fit_with_an_empty_validation_or_training_set_runs_as_in_plain_fastai(kernel2):
     # plain fastai (one process) trains with valid_loss/metrics None, and returns None for an
     # empty DataLoader's validate/get_preds; DistributedDL used to divide by the empty length
-    k = DistKernel("--ranks", "2")
-    try:
-        res = k.execute(EMPTY, timeout=240)
-        assert res.status == "ok", (res.reply.get("ename"), res.reply.get("evalue"))
-        ev = {e["rank"]: e for e in (json.loads(m["json"]) for m in _LINE.finditer(res.stream()))}
-        assert set(ev) == {0, 1}
-        for e in ev.values():
-            assert e["log"] == [False, True, True]  # train_loss, valid_loss None, accuracy None
-            assert e["validate"] == [None, None] and e["test_preds"] == [None, None]
-            assert e["train0_valid20"] == [False, False] and e["train0_valid0"] == [False, True]
-    finally:
-        k.shutdown()
+    k = kernel2
+    res = k.execute(EMPTY, timeout=240)
+    assert res.status == "ok", (res.reply.get("ename"), res.reply.get("evalue"))
+    ev = {e["rank"]: e for e in (json.loads(m["json"]) for m in _LINE.finditer(res.stream()))}
+    assert set(ev) == {0, 1}
+    for e in ev.values():
+        assert e["log"] == [False, True, True]  # train_loss, valid_loss None, accuracy None
+        assert e["validate"] == [None, None] and e["test_preds"] == [None, None]
+        assert e["train0_valid20"] == [False, False] and e["train0_valid0"] == [False, True]
 
 
 # ------------------------------------------------------------------ figures shown once (issue 11, 15)
@@ -326,24 +322,21 @@ def _ranks(output) -> list[int] | None:
     return ((output.content.get("metadata") or {}).get("dist_kernel") or {}).get("ranks")
 
 
-def test_figures_drawn_from_random_batches_are_shown_once_and_unlabelled():
-    k = DistKernel("--ranks", "2")
-    try:
-        res = k.execute(FIGURES_SETUP, timeout=240)
-        assert res.status == "ok", (res.reply.get("ename"), res.reply.get("evalue"))
-        shown = {}  # per cell: the rank labels of its figures (None: unlabelled, as one process shows it)
-        for code in SHOWN_ONCE:
-            res = k.execute(code, timeout=120)
-            assert res.status == "ok", (code, res.reply.get("ename"), res.reply.get("evalue"))
-            shown[code] = [_ranks(o) for o in _images(res)]
-        assert shown == {code: [None] * n for code, n in SHOWN_ONCE.items()}
-        # every rank ran every helper: the group is in step (a skipped or extra collective hangs here)
-        res = k.execute("t = torch.ones(1); dist.all_reduce(t); learn.fit(1); print('DKTEST', json.dumps(dict(rank=rank, sum=t.item())))", timeout=120)
-        assert res.status == "ok" and {m["json"] for m in _LINE.finditer(res.stream())} == {
-            json.dumps(dict(rank=r, sum=2.0)) for r in (0, 1)}
-        # %dist_fastai off: fastai untouched, each rank shows its own batch, labelled
-        assert k.execute("%dist_fastai off").status == "ok"
-        res = k.execute("dls.show_batch(max_n=4, figsize=(4, 4))", timeout=120)
-        assert res.status == "ok" and sorted(_ranks(o) for o in _images(res)) == [[0], [1]]
-    finally:
-        k.shutdown()
+def test_figures_drawn_from_random_batches_are_shown_once_and_unlabelled(kernel2):
+    k = kernel2
+    res = k.execute(FIGURES_SETUP, timeout=240)
+    assert res.status == "ok", (res.reply.get("ename"), res.reply.get("evalue"))
+    shown = {}  # per cell: the rank labels of its figures (None: unlabelled, as one process shows it)
+    for code in SHOWN_ONCE:
+        res = k.execute(code, timeout=120)
+        assert res.status == "ok", (code, res.reply.get("ename"), res.reply.get("evalue"))
+        shown[code] = [_ranks(o) for o in _images(res)]
+    assert shown == {code: [None] * n for code, n in SHOWN_ONCE.items()}
+    # every rank ran every helper: the group is in step (a skipped or extra collective hangs here)
+    res = k.execute("t = torch.ones(1); dist.all_reduce(t); learn.fit(1); print('DKTEST', json.dumps(dict(rank=rank, sum=t.item())))", timeout=120)
+    assert res.status == "ok" and {m["json"] for m in _LINE.finditer(res.stream())} == {
+        json.dumps(dict(rank=r, sum=2.0)) for r in (0, 1)}
+    # %dist_fastai off: fastai untouched, each rank shows its own batch, labelled
+    assert k.execute("%dist_fastai off").status == "ok"
+    res = k.execute("dls.show_batch(max_n=4, figsize=(4, 4))", timeout=120)
+    assert res.status == "ok" and sorted(_ranks(o) for o in _images(res)) == [[0], [1]]

@@ -52,9 +52,10 @@ def test_the_whole_gpu_proof_runs_on_cpu_as_a_rehearsal(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "gpu.json").read_text())
     checks = {c["name"]: c for c in report["checks"]}
-    assert list(checks) == ["backend", "gpus", "empty_cache", "fastai", "ddp", "lifecycle"]
+    assert list(checks) == ["backend", "gpus", "empty_cache", "fastai", "ddp", "lifecycle", "faults"]
     assert {n: c["ok"] for n, c in checks.items()} == {
-        "backend": True, "gpus": True, "empty_cache": None, "fastai": True, "ddp": True, "lifecycle": True}
+        "backend": True, "gpus": True, "empty_cache": None, "fastai": True, "ddp": True, "lifecycle": True,
+        "faults": None}
 
     backend = checks["backend"]["data"]["runs"]
     assert {case: sorted(recs) for case, recs in backend.items()} == {"gloo@1": ["0"], "gloo@2": ["0", "1"]}

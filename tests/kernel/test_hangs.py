@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
@@ -35,6 +36,18 @@ def all_reduce_gives_two_and_variables_survived(k: DistKernel) -> None:
     res = k.execute("t = torch.ones(1)\ndist.all_reduce(t)\nprint(int(t.item()), kept)", timeout=60)
     assert res.status == "ok", res.reply
     assert res.stream() == "[rank 0] 2 100\n[rank 1] 2 101\n", res.outputs
+
+
+@pytest.fixture(scope="module")
+def hang_kernel() -> Iterator[DistKernel]:
+    """2 ranks, ``--hang-grace`` HANG_GRACE, SETUP run: shared by the tests whose hang is reported
+    and whose group is then shown to work."""
+    k = DistKernel("--ranks", "2", "--hang-grace", str(HANG_GRACE))
+    try:
+        assert k.execute(SETUP, timeout=180).status == "ok"
+        yield k
+    finally:
+        k.shutdown()
 
 
 def timed(k: DistKernel, code: str, timeout: float, **kw: object) -> tuple[Result, float]:
@@ -96,25 +109,21 @@ def test_python_m_dist_kernel_run_ends_on_a_notebook_with_an_await_cell(tmp_path
 
 # ------------------------------------------------------------------ 1.2: %%rank 0 around DDP(...)
 @pytest.mark.timeout(300)
-def test_rank_0_alone_constructing_ddp_is_reported_within_the_hang_grace_naming_rank_0_and_the_call():
-    k = DistKernel("--ranks", "2", "--hang-grace", str(HANG_GRACE))
-    try:
-        assert k.execute(SETUP, timeout=180).status == "ok"
-        # the look comes hang_grace after the start; the bound leaves room for a loaded machine
-        res, took = timed(k, RANK0_DDP, timeout=HANG_GRACE * 3 + 30)
-        print(f"%%rank 0 DDP(...) reported after {took:.2f} s (--hang-grace {HANG_GRACE})")
-        assert res.status == "error", res.reply
-        err = error_of(res)
-        text = err["evalue"] + "\n".join(err["traceback"])
-        assert err["ename"] == "CollectiveHangError", err
-        assert "rank 0 was blocked in DistributedDataParallel(...)" in err["evalue"], err["evalue"]
-        assert "_verify_params_across_processes" in err["evalue"], err["evalue"]
-        assert "rank 1 never entered" in err["evalue"], err["evalue"]
-        assert "m = DDP(nn.Linear(2, 2))" in text, text  # where it waited: the cell's line
-        assert "re-formed" in text, text
-        all_reduce_gives_two_and_variables_survived(k)
-    finally:
-        k.shutdown()
+def test_rank_0_alone_constructing_ddp_is_reported_within_the_hang_grace_naming_rank_0_and_the_call(hang_kernel):
+    k = hang_kernel
+    # the look comes hang_grace after the start; the bound leaves room for a loaded machine
+    res, took = timed(k, RANK0_DDP, timeout=HANG_GRACE * 3 + 30)
+    print(f"%%rank 0 DDP(...) reported after {took:.2f} s (--hang-grace {HANG_GRACE})")
+    assert res.status == "error", res.reply
+    err = error_of(res)
+    text = err["evalue"] + "\n".join(err["traceback"])
+    assert err["ename"] == "CollectiveHangError", err
+    assert "rank 0 was blocked in DistributedDataParallel(...)" in err["evalue"], err["evalue"]
+    assert "_verify_params_across_processes" in err["evalue"], err["evalue"]
+    assert "rank 1 never entered" in err["evalue"], err["evalue"]
+    assert "m = DDP(nn.Linear(2, 2))" in text, text  # where it waited: the cell's line
+    assert "re-formed" in text, text
+    all_reduce_gives_two_and_variables_survived(k)
 
 
 @pytest.mark.timeout(300)
@@ -149,22 +158,19 @@ def test_one_stop_ends_rank_0_alone_constructing_ddp_and_re_forms_the_group():
 
 
 @pytest.mark.timeout(300)
-def test_accelerate_prepare_and_notebook_launcher_under_rank_0_are_reported_and_the_group_works_after():
-    k = DistKernel("--ranks", "2", "--hang-grace", str(HANG_GRACE))
-    try:
-        setup = ("import torch, torch.nn as nn, torch.distributed as dist\nkept = 100 + rank\n"
-                 "from accelerate import Accelerator, notebook_launcher\nacc = Accelerator()\n"
-                 "_warm = acc.prepare(nn.Linear(2, 2))\n"
-                 "def train():\n    m = Accelerator().prepare(nn.Linear(2, 2))\n    print('prepared')")
-        assert k.execute(setup, timeout=180).status == "ok"
-        for code in ("%%rank 0\nm = acc.prepare(nn.Linear(2, 2))", "%%rank 0\nnotebook_launcher(train, num_processes=2)"):
-            res, took = timed(k, code, timeout=HANG_GRACE * 3 + 30)
-            print(f"{code.splitlines()[1]}: reported after {took:.2f} s (--hang-grace {HANG_GRACE})")
-            assert res.status == "error", res.reply
-            err = error_of(res)
-            assert err["ename"] == "CollectiveHangError", err
-            assert "rank 0 was blocked in DistributedDataParallel(...)" in err["evalue"], err["evalue"]
-            assert "prepared" not in res.stream()
-            all_reduce_gives_two_and_variables_survived(k)
-    finally:
-        k.shutdown()
+def test_accelerate_prepare_and_notebook_launcher_under_rank_0_are_reported_and_the_group_works_after(hang_kernel):
+    k = hang_kernel
+    setup = ("import torch, torch.nn as nn, torch.distributed as dist\nkept = 100 + rank\n"
+             "from accelerate import Accelerator, notebook_launcher\nacc = Accelerator()\n"
+             "_warm = acc.prepare(nn.Linear(2, 2))\n"
+             "def train():\n    m = Accelerator().prepare(nn.Linear(2, 2))\n    print('prepared')")
+    assert k.execute(setup, timeout=180).status == "ok"
+    for code in ("%%rank 0\nm = acc.prepare(nn.Linear(2, 2))", "%%rank 0\nnotebook_launcher(train, num_processes=2)"):
+        res, took = timed(k, code, timeout=HANG_GRACE * 3 + 30)
+        print(f"{code.splitlines()[1]}: reported after {took:.2f} s (--hang-grace {HANG_GRACE})")
+        assert res.status == "error", res.reply
+        err = error_of(res)
+        assert err["ename"] == "CollectiveHangError", err
+        assert "rank 0 was blocked in DistributedDataParallel(...)" in err["evalue"], err["evalue"]
+        assert "prepared" not in res.stream()
+        all_reduce_gives_two_and_variables_survived(k)

@@ -1,8 +1,9 @@
 """Wedges, as a specification: no cell, burst, deadlock, frozen rank or odd request stalls the
 kernel (issue 11). Real parent, real ipykernel ranks, real gloo group, 2 ranks on CPU.
 
-Every test starts its own kernel (a wedged one must not poison the next) and ends every process
-it started, also when it fails: a wedge shows up as a bounded wait running out, never as a hang.
+Every test that wedges a kernel starts its own (a wedged one must not poison the next) and ends
+every process it started, also when it fails: a wedge shows up as a bounded wait running out,
+never as a hang. The odd requests that must *not* wedge it share one kernel (``steady``).
 """
 
 from __future__ import annotations
@@ -180,6 +181,15 @@ def started(*options: str, ranks: int = 2, extra_arguments: list[str] | None = N
         yield k
     finally:
         k.dispose()
+
+
+@pytest.fixture(scope="module")
+def steady() -> Iterator[Kernel]:
+    """One kernel for the tests of odd requests that must leave it working: each checks that it
+    answers, so a request that wedged it fails there, and the tests after it fail too."""
+    with started() as k:
+        assert k.run("x = 1", timeout=120).ended
+        yield k
 
 
 def pids_by_rank(k: Kernel) -> dict[int, int]:
@@ -457,42 +467,41 @@ def memory_guard(pid: int, limit: int = 1 << 30) -> Iterator[list[int]]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("spec", ["0-100000000000", "0-10000000"])
-def test_a_huge_rank_range_is_refused_at_once_without_using_memory(spec):
-    with started() as k:
-        assert k.run("x = 1", timeout=120).ended
-        rss0 = psutil.Process(k.pid).memory_info().rss
-        with memory_guard(k.pid) as peak:
-            cell = k.run(f"%%rank {spec}\nprint(1)", timeout=2)
-        assert cell.ended, "no reply within 2 s"
-        assert cell.reply["status"] == "error" and cell.reply["ename"] == "RankSpecError"
-        assert peak[0] - rss0 < 50 * 2**20, f"the parent grew by {(peak[0] - rss0) >> 20} MB"
+def test_a_huge_rank_range_is_refused_at_once_without_using_memory(steady, spec):
+    k = steady
+    rss0 = psutil.Process(k.pid).memory_info().rss
+    with memory_guard(k.pid) as peak:
+        cell = k.run(f"%%rank {spec}\nprint(1)", timeout=2)
+    assert cell.ended, "no reply within 2 s"
+    assert cell.reply["status"] == "error" and cell.reply["ename"] == "RankSpecError"
+    assert peak[0] - rss0 < 50 * 2**20, f"the parent grew by {(peak[0] - rss0) >> 20} MB"
+    prints_ranks(k)
 
 
 @pytest.mark.timeout(120)
-def test_completion_after_a_huge_rank_range_answers_without_using_memory():
-    with started() as k:
-        assert k.run("x = 1", timeout=120).ended
-        code = "%%rank 0-100000000000\npri"
-        rss0 = psutil.Process(k.pid).memory_info().rss
-        with memory_guard(k.pid) as peak:
-            msg_id = k.kc.complete(code, len(code))
-            # rank 0's completer answers: within a second on a quiet machine, but with two
-            # copies of the suite on 2 cores (load 10-20) IPython's jedi alone took over 2 s
-            assert k.pump(lambda: msg_id in k.replies, 30), "no complete_reply within 30 s"
-        assert k.replies[msg_id]["msg_type"] == "complete_reply"
-        assert peak[0] - rss0 < 50 * 2**20, f"the parent grew by {(peak[0] - rss0) >> 20} MB"
+def test_completion_after_a_huge_rank_range_answers_without_using_memory(steady):
+    k = steady
+    code = "%%rank 0-100000000000\npri"
+    rss0 = psutil.Process(k.pid).memory_info().rss
+    with memory_guard(k.pid) as peak:
+        msg_id = k.kc.complete(code, len(code))
+        # rank 0's completer answers: within a second on a quiet machine, but with two
+        # copies of the suite on 2 cores (load 10-20) IPython's jedi alone took over 2 s
+        assert k.pump(lambda: msg_id in k.replies, 30), "no complete_reply within 30 s"
+    assert k.replies[msg_id]["msg_type"] == "complete_reply"
+    assert peak[0] - rss0 < 50 * 2**20, f"the parent grew by {(peak[0] - rss0) >> 20} MB"
+    prints_ranks(k)
 
 
 @pytest.mark.timeout(120)
-def test_a_malformed_request_still_gets_a_reply_and_the_kernel_runs_on():
-    with started() as k:
-        assert k.run("x = 1", timeout=120).ended
-        msg = k.kc.session.msg("complete_request", {"code": "pri"})  # no cursor_pos
-        k.kc.shell_channel.send(msg)
-        msg_id = msg["header"]["msg_id"]
-        assert k.pump(lambda: msg_id in k.replies, 5), "no reply within 5 s"
-        assert k.replies[msg_id]["msg_type"] == "complete_reply"
-        prints_ranks(k)
+def test_a_malformed_request_still_gets_a_reply_and_the_kernel_runs_on(steady):
+    k = steady
+    msg = k.kc.session.msg("complete_request", {"code": "pri"})  # no cursor_pos
+    k.kc.shell_channel.send(msg)
+    msg_id = msg["header"]["msg_id"]
+    assert k.pump(lambda: msg_id in k.replies, 5), "no reply within 5 s"
+    assert k.replies[msg_id]["msg_type"] == "complete_reply"
+    prints_ranks(k)
 
 
 # ------------------------------------------------------------------ 7: exit()
@@ -564,14 +573,13 @@ def test_output_widgets_capture_what_is_printed_inside_them(ranks):
 
 # ------------------------------------------------------------------ 11, 13: like a plain kernel
 @pytest.mark.timeout(120)
-def test_a_warning_every_rank_gives_is_shown_once_without_a_rank_label():
-    with started() as k:
-        cell = k.run("import warnings\nwarnings.warn('careful')", timeout=120)
-        assert cell.ended
-        err = cell.stream("stderr")
-        # a plain kernel: "<cell file>:2: UserWarning: careful\n  warnings.warn('careful')\n"
-        assert err.count("UserWarning: careful") == 1 and err.count("warnings.warn('careful')") <= 1, err
-        assert "[rank" not in err, err
+def test_a_warning_every_rank_gives_is_shown_once_without_a_rank_label(steady):
+    cell = steady.run("import warnings\nwarnings.warn('careful')", timeout=120)
+    assert cell.ended
+    err = cell.stream("stderr")
+    # a plain kernel: "<cell file>:2: UserWarning: careful\n  warnings.warn('careful')\n"
+    assert err.count("UserWarning: careful") == 1 and err.count("warnings.warn('careful')") <= 1, err
+    assert "[rank" not in err, err
 
 
 @pytest.mark.timeout(120)

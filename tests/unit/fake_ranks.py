@@ -57,6 +57,7 @@ class FakeRanks:
         self.signalled: list[int] = []
         self.torn_down: list[int] = []
         self.formations = 0
+        self.respawned: list[int] = []
         self.sampling: list[bool] = []  # sample_remote's calls (%dist_top)
         self.inputs: list[tuple[int, str]] = []
         self._ids = itertools.count()
@@ -108,6 +109,15 @@ class FakeRanks:
 
     async def form_group(self) -> None:
         self.formations += 1
+
+    async def respawn(self, ranks=None, auto: bool = False) -> list[int]:
+        """Dead ranks come back (fresh: the test tells apart by ``respawned``), the group forms."""
+        started = sorted(self._dead if ranks is None else ranks)
+        for r in started:
+            self._dead.pop(r, None)
+        self.respawned.extend(started)
+        self.formations += 1
+        return started
 
     def alive(self, rank: int) -> bool:
         return rank not in self._dead

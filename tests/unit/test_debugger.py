@@ -174,7 +174,7 @@ def test_nothing_is_looked_at_or_torn_down_while_the_debugged_rank_is_stopped_at
 def test_a_dead_rank_or_the_stop_button_are_acted_on_even_at_a_breakpoint():
     dead = _cell(ranks=(0, 1, 2), world=(0, 1, 2), busy=(0, 1), dead=(2,), debug_stopped=(0,))
     assert look_due(dead, now=60.0, last_look=None)
-    assert Judge().judge(dead, {0: BLOCKED, 1: BLOCKED}, now=60.0).action == "stop"
+    assert Judge().judge(dead, {0: BLOCKED, 1: BLOCKED}, now=60.0).action == "teardown"
     stop = _cell(interrupted_at=50.0, debug_stopped=(0,))
     assert look_due(stop, now=60.0, last_look=None)
     assert Judge().judge(stop, {0: BLOCKED}, now=60.0).action != "wait"

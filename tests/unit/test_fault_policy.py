@@ -3,6 +3,8 @@ in test_faults.py and test_wedges.py exercise the same rules end to end)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dist_kernel.parent.fault_policy import Cell, Judge, after_cell, look_due, out_of_step
@@ -62,16 +64,16 @@ def test_after_a_teardown_the_blocked_ranks_are_left_to_raise():
 
 
 # ------------------------------------------------------ rule 2: waiting for an idle rank
-def test_a_rank_blocked_in_a_collective_that_a_finished_rank_never_entered_is_torn_down_on_the_idle_rank():
+def test_a_rank_blocked_in_a_collective_that_a_finished_rank_never_entered_is_freed_by_a_teardown_on_every_rank():
     v = Judge().judge(cell(busy=(0,), first_finished=1.0), {0: blocked("all_reduce")}, now=12.0)
-    assert v.action == "teardown" and v.teardown_on == (1,) and v.ename == "CollectiveHangError"
+    assert v.action == "teardown" and v.teardown_on == (0, 1) and v.ename == "CollectiveHangError"
     assert "rank 0 was blocked in torch.distributed.all_reduce(), which rank 1 never entered" in v.stuck[0]
 
 
-def test_a_collective_in_a_single_rank_cell_is_torn_down_on_the_ranks_left_out():
+def test_a_collective_in_a_single_rank_cell_is_torn_down():
     c = cell(ranks=(0,), busy=(0,))
     v = Judge().judge(c, {0: blocked("barrier")}, now=10.0)
-    assert v.action == "teardown" and v.teardown_on == (1,)
+    assert v.action == "teardown" and v.teardown_on == (0, 1)
 
 
 def test_a_long_computation_while_others_finished_is_left_alone():
@@ -83,11 +85,11 @@ def in_backward(group_seq: int | None) -> Place:
     return place(collective=None, line="line 4: loss.backward()", group_seq=group_seq, in_backward=True)
 
 
-def test_a_rank_that_started_a_collective_in_cpp_which_a_failed_rank_never_entered_is_torn_down_on_it():
+def test_a_rank_that_started_a_collective_in_cpp_which_a_failed_rank_never_entered_is_torn_down():
     # rank 1 raised before backward(); rank 0's DDP all_reduce (collective #4) waits for it
     c = cell(busy=(0,), first_finished=1.0, errored=True, idle_seqs={1: 3})
     v = Judge().judge(c, {0: in_backward(4)}, now=2.0)
-    assert v.action == "teardown" and v.teardown_on == (1,) and v.ename == "CollectiveHangError"
+    assert v.action == "teardown" and v.teardown_on == (0, 1) and v.ename == "CollectiveHangError"
     assert v.stuck[0] == ("rank 0 was blocked in a collective that torch started without a torch.distributed call "
                           "(DDP's gradient all_reduce in backward(), say), which rank 1 never entered (idle: "
                           "finished or not selected by %%rank)")
@@ -116,13 +118,13 @@ def test_a_rank_ahead_is_torn_down_only_when_every_busy_rank_is_blocked():
     c = Cell(ranks=(0, 1, 2), world=(0, 1, 2), busy=(0, 1), first_finished=0.0, idle_seqs={2: 3})
     assert Judge().judge(c, {0: in_backward(4), 1: COMPUTING}, now=60.0).action == "wait"
     v = Judge().judge(c, {0: in_backward(4), 1: in_backward(4)}, now=60.0)
-    assert v.action == "teardown" and v.teardown_on == (2,) and set(v.stuck) == {0, 1}
+    assert v.action == "teardown" and v.teardown_on == (0, 1, 2) and set(v.stuck) == {0, 1}
 
 
 def test_an_interrupt_of_a_rank_ahead_of_an_idle_rank_is_one_keyboard_interrupt():
     c = cell(busy=(0,), first_finished=10.5, interrupted_at=10.0, idle_seqs={1: 3})
     v = Judge().judge(c, {0: in_backward(4)}, now=11.0)
-    assert v.action == "teardown" and v.ename == "KeyboardInterrupt" and v.teardown_on == (1,)
+    assert v.action == "teardown" and v.ename == "KeyboardInterrupt" and v.teardown_on == (0, 1)
     assert v.stuck == {0: "rank 0 was interrupted while blocked in a collective that torch started without a "
                           "torch.distributed call (DDP's gradient all_reduce in backward(), say)"}
 
@@ -137,11 +139,11 @@ def in_native(group_seq: int | None, group=(0, 1), call: str = DDP_INIT) -> Plac
                 group_seq=group_seq, native=call)
 
 
-def test_a_cpp_collective_in_a_rank_magic_cell_is_torn_down_on_the_ranks_left_out_naming_the_call():
+def test_a_cpp_collective_in_a_rank_magic_cell_is_torn_down_naming_the_call():
     # %%rank 0 around DDP(...): its constructor started collective #2, which rank 1 (not selected) never will
     c = cell(ranks=(0,), busy=(0,), idle_seqs={1: 1})
     v = Judge().judge(c, {0: in_native(2)}, now=10.0)
-    assert v.action == "teardown" and v.teardown_on == (1,) and v.ename == "CollectiveHangError"
+    assert v.action == "teardown" and v.teardown_on == (0, 1) and v.ename == "CollectiveHangError"
     assert v.stuck[0] == (f"rank 0 was blocked in {DDP_INIT} (a collective that torch started in C++), which "
                           "rank 1 never entered (idle: finished or not selected by %%rank)")
 
@@ -163,10 +165,10 @@ def test_a_cpp_collective_on_a_sub_group_blames_only_the_idle_members_of_that_gr
     assert Judge().judge(c, {0: in_native(4, group=(0,))}, now=60.0).action == "wait"  # a group of its own
 
 
-def test_one_stop_of_a_cpp_collective_in_a_rank_magic_cell_tears_the_group_down_on_the_ranks_left_out():
+def test_one_stop_of_a_cpp_collective_in_a_rank_magic_cell_tears_the_group_down():
     c = cell(ranks=(0,), busy=(0,), interrupted_at=10.0, idle_seqs={1: 1})
     v = Judge().judge(c, {0: in_native(2)}, now=11.0)
-    assert v.action == "teardown" and v.ename == "KeyboardInterrupt" and v.teardown_on == (1,)
+    assert v.action == "teardown" and v.ename == "KeyboardInterrupt" and v.teardown_on == (0, 1)
     assert v.stuck == {0: f"rank 0 was interrupted while blocked in {DDP_INIT} (a collective that torch started "
                           "in C++)"}
 
@@ -188,7 +190,7 @@ def test_a_sub_group_collective_missing_a_finished_member_is_torn_down():
     c = Cell(ranks=(0, 1, 2), world=(0, 1, 2), busy=(0, 1), first_finished=0.0)
     seen = {0: blocked("all_reduce", group=(0, 2)), 1: blocked("all_reduce", group=(1, 2))}
     v = Judge().judge(c, seen, now=60.0)
-    assert v.action == "teardown" and v.teardown_on == (2,)
+    assert v.action == "teardown" and v.teardown_on == (0, 1, 2)
     assert "which rank 2 never entered" in v.stuck[0]
 
 
@@ -271,7 +273,7 @@ def test_an_interrupt_that_ends_one_rank_frees_the_other_and_both_report_the_int
     c = cell(busy=(0,), first_finished=10.5, interrupted_at=10.0)
     v = Judge().judge(c, {0: blocked("all_reduce")}, now=11.0)
     # the stop button caused the wait: one KeyboardInterrupt, not a hang "rank 1 never entered"
-    assert v.action == "teardown" and v.ename == "KeyboardInterrupt" and v.teardown_on == (1,)
+    assert v.action == "teardown" and v.ename == "KeyboardInterrupt" and v.teardown_on == (0, 1)
     assert v.stuck == {0: "rank 0 was interrupted while blocked in torch.distributed.all_reduce()"}
 
 
@@ -314,12 +316,27 @@ def test_an_interrupted_rank_that_is_still_computing_is_given_time_then_left_beh
 
 
 # -------------------------------------------------------------- rule 1: dead peer
-def test_survivors_of_a_dead_rank_are_stopped_naming_it_and_where_they_waited():
+def test_survivors_of_a_dead_rank_are_freed_from_their_collectives_and_the_computing_ones_run_on():
     c = Cell(ranks=(0, 1, 2), world=(0, 1, 2), busy=(0, 2), dead=(1,))
     v = Judge().judge(c, {0: blocked("all_reduce", group=(0, 1, 2)), 2: COMPUTING}, now=1.0)
-    assert v.action == "stop" and v.ename == "RankDiedError"
-    assert v.stuck[0] == "rank 0 was stopped while waiting in torch.distributed.all_reduce(): rank 1 died"
-    assert v.stuck[2] == "rank 2 was stopped: rank 1 died"
+    assert v.action == "teardown" and v.ename == "RankDiedError"
+    assert v.teardown_on == (0, 2)  # every survivor: the group is down for all of them
+    assert v.stuck == {0: "rank 0 was freed from torch.distributed.all_reduce(): rank 1 died"}
+
+
+def test_a_dead_rank_is_looked_into_at_once_and_the_group_torn_down_only_once():
+    c = Cell(ranks=(0, 1), world=(0, 1), busy=(0,), dead=(1,), started=0.0, hang_grace=10.0)
+    assert look_due(c, now=0.1, last_look=None)
+    assert not look_due(replace(c, torn_down=True), now=5.0, last_look=None)
+    assert Judge().judge(replace(c, torn_down=True), {0: blocked("barrier")}, now=1.0).action == "wait"
+
+
+def test_a_rank_that_keeps_dying_is_not_started_again_by_itself():
+    from dist_kernel.parent.fault_policy import keeps_dying
+
+    assert not keeps_dying([100.0, 130.0], now=140.0)  # twice: started again
+    assert keeps_dying([100.0, 130.0, 139.0], now=140.0)  # three times within a minute: not
+    assert not keeps_dying([10.0, 50.0, 139.0], now=140.0)  # three times, but over two minutes
 
 
 # -------------------------------------------------------------- after the cell
@@ -332,8 +349,9 @@ def test_a_torn_down_or_broken_group_is_formed_again():
     assert after_cell(torn_down=False, broke=True, dead=(), left_running=()) == "reform"
 
 
-def test_a_rank_dead_before_or_during_a_reformation_means_a_restart():
-    assert after_cell(torn_down=True, broke=False, dead=(1,), left_running=()) == "restart"
+def test_a_dead_rank_means_the_group_waits_for_a_new_process_in_its_place():
+    assert after_cell(torn_down=True, broke=False, dead=(1,), left_running=()) == "respawn"
+    assert after_cell(torn_down=False, broke=False, dead=(1,), left_running=()) == "respawn"  # died idle
 
 
 def test_a_reformation_waits_for_a_rank_left_running():
@@ -347,7 +365,7 @@ def test_a_group_the_cell_destroyed_on_every_rank_is_left_down_for_the_user():
 def test_a_group_destroyed_on_some_ranks_only_is_broken_for_the_others_and_formed_again():
     assert after_cell(torn_down=False, broke=False, dead=(), left_running=(), destroyed=(1,), world=WORLD) == "reform"
     assert after_cell(torn_down=False, broke=False, dead=(0,), left_running=(), destroyed=(1,),
-                      world=WORLD) == "restart"
+                      world=WORLD) == "respawn"
 
 
 # ------------------------------------------------------------ rule 6: ranks on other machines

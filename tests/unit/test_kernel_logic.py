@@ -8,6 +8,7 @@ real ranks do is proven in ``tests/kernel``; these tests claim only what the par
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from fake_ranks import Act, FakeRanks, stdout
@@ -177,20 +178,42 @@ def test_a_stopped_rank_is_named_and_the_stop_button_ends_the_cell_without_it():
 
 
 # ---------------------------------------------------------------------- faults
-def test_a_rank_that_dies_mid_cell_ends_the_cell_with_its_last_words_and_later_cells_say_restart():
+def test_a_rank_that_dies_mid_cell_frees_its_peers_and_later_cells_say_how_to_bring_it_back():
     async def test(fe, ranks):
-        msg, task = await running(fe, ranks)
+        msg = fe.execute_request("dist.all_reduce(t)")
+        task = asyncio.ensure_future(fe.send_shell(msg))
+        await ranks.running(2)
         ranks.die(1)
-        await task  # the fault policy stops the survivor: it cannot finish without its peer
+        await task  # the survivor blocked with it is freed by tearing the group down, not signalled
         cell = fe.collect(msg)
         text = "".join(cell.errors[0]["traceback"])
-        assert ranks.signalled == [0]
+        assert ranks.torn_down == [0] and ranks.signalled == []
         assert cell.status == "error" and "RankDiedError" in text and "rank 1's last words" in text
-        later = await fe.execute("x = 1")
-        assert later.reply["content"]["ename"] == "RankDiedError" and "Restart the kernel" in "".join(
-            later.errors[0]["traceback"])
+        assert "%dist_respawn" in text and "keep their variables" in text
+        later = await fe.execute("x = 1")  # a cell on the dead rank does not run, and says what to do
+        assert later.reply["content"]["ename"] == "RankDiedError"
+        assert "%dist_respawn" in "".join(later.errors[0]["traceback"])
+        assert (await fe.execute("%%rank 0\nx = 1")).status == "ok"  # the survivor runs cells
+        back = await fe.execute("%dist_respawn")
+        assert back.status == "ok" and ranks.respawned == [1] and "namespace is empty" in back.stream()
+        assert (await fe.execute("x = 1")).status == "ok"
 
-    run(test)(lambda rank, code: Act(runs=True))
+    run(test)(lambda rank, code: Act(blocked_in="all_reduce") if "all_reduce" in code else Act())
+
+
+def test_with_respawn_on_a_dead_rank_is_started_anew_as_its_cell_ends():
+    async def test(fe, ranks):
+        ranks.config = dataclasses.replace(ranks.config, respawn=True)
+        msg = fe.execute_request("dist.all_reduce(t)")
+        task = asyncio.ensure_future(fe.send_shell(msg))
+        await ranks.running(2)
+        ranks.die(1)
+        await task
+        text = "".join(fe.collect(msg).errors[0]["traceback"])
+        assert "RankDiedError" in text and "started anew" in text and ranks.respawned == [1]
+        assert (await fe.execute("x = 1")).status == "ok"
+
+    run(test)(lambda rank, code: Act(blocked_in="all_reduce") if "all_reduce" in code else Act())
 
 
 def test_a_rank_waiting_in_a_collective_for_a_finished_rank_is_freed_and_the_group_re_formed():

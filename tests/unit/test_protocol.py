@@ -20,9 +20,9 @@ _JOIN = {"rank": 0, "world_size": 2, "local_rank": 0, "backend": "gloo", "store"
 def _examples() -> list[protocol.Request]:
     return [protocol.Join(rank=1, world_size=2, local_rank=1, backend="gloo", store="/tmp/x/store-1",
                           timeout=1800.0, use_cuda=False, first=True, seed=7,
-                          switches={"fastai": True, "empty_cache": False}),
+                          switches={"fastai": True, "empty_cache": False}, local_world_size=2),
             protocol.Where(), protocol.Status(), protocol.Teardown(peer_pids=[12, 13]),
-            protocol.SetOption(name="empty_cache", on=False)]
+            protocol.SetOption(name="empty_cache", on=False), protocol.Sync(names=["model", "opt"], src=0)]
 
 
 def test_every_request_survives_json_and_validation_unchanged():
@@ -41,6 +41,8 @@ def test_every_reply_survives_json_and_validation_unchanged():
                                       line=""),
         "teardown": protocol.Done(outcome="destroyed"),
         "set_option": protocol.Done(outcome="fastai off"),
+        "sync": protocol.Synced(copied={"model": "state_dict into this rank's module"},
+                                failed={"gen": "a generator that cannot be pickled"}),
     }
     assert set(replies) == set(protocol.REPLIES)
     for op, reply in replies.items():
@@ -53,19 +55,22 @@ def test_an_error_reply_carries_its_name_and_message():
     assert protocol.parse_reply(wire, "join") == protocol.ErrorReply("ModuleNotFoundError", "No module named 'torch'")
 
 
+V = protocol.VERSION
+
+
 @pytest.mark.parametrize("content,words", [
-    ({"version": 1, "op": "format_disk", "args": {}}, "unknown op"),
-    ({"version": 2, "op": "where", "args": {}}, "version"),
-    ({"version": 1, "op": "where"}, "fields"),
-    ({"version": 1, "op": "where", "args": {}, "code": "import os"}, "fields"),
-    ({"version": 1, "op": "where", "args": {"x": 1}}, "unknown field"),
-    ({"version": 1, "op": "set_option", "args": {"name": "empty_cache"}}, "missing field 'on'"),
-    ({"version": 1, "op": "set_option", "args": {"name": "empty_cache", "on": "yes"}}, "is not bool"),
-    ({"version": 1, "op": "set_option", "args": {"name": "rm_rf", "on": True}}, "unknown option"),
-    ({"version": 1, "op": "join", "args": {**_JOIN, "switches": {"rm_rf": True}}}, "join: unknown option 'rm_rf'"),
-    ({"version": 1, "op": "join", "args": {**_JOIN, "switches": {"fastai": "on"}}}, "is not dict"),
-    ({"version": 1, "op": "join", "args": {**dataclasses.asdict(_examples()[0]), "rank": True}}, "is not int"),
-    ({"version": 1, "op": "join", "args": {**dataclasses.asdict(_examples()[0]), "seed": "7"}}, "seed"),
+    ({"version": V, "op": "format_disk", "args": {}}, "unknown op"),
+    ({"version": 1, "op": "where", "args": {}}, "version"),
+    ({"version": V, "op": "where"}, "fields"),
+    ({"version": V, "op": "where", "args": {}, "code": "import os"}, "fields"),
+    ({"version": V, "op": "where", "args": {"x": 1}}, "unknown field"),
+    ({"version": V, "op": "set_option", "args": {"name": "empty_cache"}}, "missing field 'on'"),
+    ({"version": V, "op": "set_option", "args": {"name": "empty_cache", "on": "yes"}}, "is not bool"),
+    ({"version": V, "op": "set_option", "args": {"name": "rm_rf", "on": True}}, "unknown option"),
+    ({"version": V, "op": "join", "args": {**_JOIN, "switches": {"rm_rf": True}}}, "join: unknown option 'rm_rf'"),
+    ({"version": V, "op": "join", "args": {**_JOIN, "switches": {"fastai": "on"}}}, "is not dict"),
+    ({"version": V, "op": "join", "args": {**dataclasses.asdict(_examples()[0]), "rank": True}}, "is not int"),
+    ({"version": V, "op": "join", "args": {**dataclasses.asdict(_examples()[0]), "seed": "7"}}, "seed"),
     ("where", "JSON object"),
     (None, "JSON object"),
 ])
@@ -84,7 +89,7 @@ def test_a_reply_for_another_request_is_refused():
 
 def test_numbers_from_json_are_accepted_where_floats_are_expected():
     args = {**dataclasses.asdict(_examples()[0]), "timeout": 60}
-    assert protocol.parse_request({"version": 1, "op": "join", "args": args}).timeout == 60
+    assert protocol.parse_request({"version": V, "op": "join", "args": args}).timeout == 60
 
 
 # ------------------------------------------------------------------ the design page describes it

@@ -3,7 +3,8 @@
 Three things were all once called "launcher"; here each has its own name:
 
 - ``--launcher local|slurm|ssh`` (``KernelConfig.launcher``) is the user's choice of where the
-  ranks run. It is the key of both tables below.
+  ranks run. It is the key of both tables below. ``stub`` (tests and benchmarks: stand-in ranks
+  behind local stub node agents, :mod:`dist_kernel.testing`) runs the real remote launcher.
 - A **gang launcher** (:class:`~dist_kernel.parent.launch.base.GangLauncher`, the seam the
   supervisor sees) starts, signals and ends the ranks: :class:`~.local.LocalLauncher` (each rank a
   child of the parent) or :class:`~.remote.RemoteLauncher` (ranks on other machines, run by a node
@@ -30,7 +31,7 @@ from dist_kernel.parent.launch.remote import RemoteLauncher
 
 #: ``--launcher`` value -> the gang launcher that starts the ranks
 GANG_LAUNCHERS: dict[str, type[GangLauncher]] = {"local": LocalLauncher, "slurm": RemoteLauncher,
-                                                  "ssh": RemoteLauncher}
+                                                  "ssh": RemoteLauncher, "stub": RemoteLauncher}
 
 __all__ = ["GANG_LAUNCHERS", "GangLauncher", "RankHandle", "make_gang_launcher"]
 

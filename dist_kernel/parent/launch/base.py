@@ -19,6 +19,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+from dist_kernel.exceptions import ConfigError
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.channels import Wire
 from dist_kernel.parent.fault_policy import RemoteCause
@@ -63,6 +64,8 @@ class GangLauncher(abc.ABC):
 
     #: how many ranks may be starting at once
     wave: int
+    #: the kernel's settings; ``%dist_ranks`` replaces them (the ranks it starts then see the new size)
+    config: KernelConfig
 
     #: told of a fault that takes the whole gang (a node lost, the node starter gone): the
     #: supervisor hears for a moment, names the cause and stops every rank
@@ -83,6 +86,24 @@ class GangLauncher(abc.ABC):
     def start(self, ranks: int) -> AsyncIterator[RankHandle]:
         """Start ``ranks`` ranks, yielding each handle once its process exists. The caller
         takes the next one only when a wave slot is free: taking it launches it."""
+
+    async def launch(self, rank: int) -> RankHandle:
+        """Start rank ``rank`` alone, in place of a dead one or as a new one; returns once its
+        process exists. Called by :mod:`dist_kernel.parent.membership` (``%dist_respawn``,
+        ``--respawn on``, ``%dist_ranks``), never while :meth:`start` runs."""
+        raise ConfigError(f"--launcher {self.name} cannot start a rank on its own yet; restart the kernel "
+                          "to start fresh ranks.")
+
+    async def end(self, rank: int) -> None:
+        """End rank ``rank`` alone (``%dist_ranks`` shrinking); it is forgotten first, so its exit
+        is no news. Called by :mod:`dist_kernel.parent.membership`."""
+        raise ConfigError(f"--launcher {self.name} cannot end a rank on its own yet; restart the kernel "
+                          "with fewer ranks.")
+
+    @property
+    def name(self) -> str:
+        """The launcher's name, as ``--launcher`` gives it."""
+        return self.config.launcher
 
     @abc.abstractmethod
     async def stop(self, now: bool = False) -> None:

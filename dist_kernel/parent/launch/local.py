@@ -8,6 +8,7 @@ private runtime directory, each with its own HMAC key) and signals it through
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -63,6 +64,10 @@ class ProcessEvents:
             return
         self._fds[pid] = fd
         loop.add_reader(fd, self._exited, pid)
+
+    def unwatch(self, pid: int) -> None:
+        """No longer hear ``pid`` (a rank being ended on purpose)."""
+        self._forget(pid)
 
     def _exited(self, pid: int) -> None:
         self._forget(pid)
@@ -174,6 +179,12 @@ class LocalRank:
         if self.km.has_kernel:
             await self.km.shutdown_kernel(now=now)
 
+    async def forget(self) -> None:
+        """Once the process is gone: collect it, and remove its sockets and connection file."""
+        await self.poll()
+        with contextlib.suppress(Exception):
+            await self.km._async_cleanup_resources()  # private jupyter_client API (8.x): no public async one
+
 
 class LocalLauncher(GangLauncher):
     """Starts ranks as child processes of the parent, on this machine, in waves."""
@@ -209,7 +220,11 @@ class LocalLauncher(GangLauncher):
             yield await self.launch(rank)
 
     async def launch(self, rank: int) -> LocalRank:
-        """Start rank ``rank``; returns once its process exists (not yet ready)."""
+        """Start rank ``rank``; returns once its process exists (not yet ready). A rank that ran
+        before (dead, now started anew) first has its sockets and connection file removed."""
+        old = self.ranks.pop(rank, None)
+        if old is not None:
+            await old.forget()
         ksm = _RankSpecManager()
         ksm.extra_argv = self.extra_argv
         km = AsyncKernelManager(kernel_name="dist-kernel-rank", kernel_spec_manager=ksm)
@@ -219,13 +234,26 @@ class LocalLauncher(GangLauncher):
         km.autorestart = False  # a restarted rank could not silently rejoin the group
         handle = LocalRank(rank, km, os.path.join(self.runtime_dir, f"rank{rank}.log"))
         self.ranks[rank] = handle
-        with open(handle.log_path, "wb") as log_file:  # noqa: ASYNC230 - tiny local file
+        # appended: a rank started anew keeps what its dead predecessor wrote
+        with open(handle.log_path, "ab") as log_file:  # noqa: ASYNC230 - tiny local file
             await km.start_kernel(env=self.env(rank), cwd=os.getcwd(), stdout=log_file,
                                   stderr=log_file, stdin=subprocess.DEVNULL)
         if handle.pid is not None:
             self._exits.watch(handle.pid)
         self.record()
         return handle
+
+    async def end(self, rank: int) -> None:
+        handle = self.ranks.pop(rank, None)  # forgotten first: its exit is no news
+        if handle is None:
+            return
+        if handle.pid is not None:
+            self._exits.unwatch(handle.pid)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(handle.shutdown(now=False), timeout=5)
+        await handle.kill()
+        await handle.forget()
+        self.record()
 
     def store(self, generation: int) -> str:
         """A file in the private runtime dir (mode 0700): no port, no race, no collision."""

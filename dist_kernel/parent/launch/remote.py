@@ -1,332 +1,44 @@
 """The gang launcher of ranks on other machines: the parent's end of the node agents' connections.
 
 A node starter (:mod:`dist_kernel.parent.launch.node_starters`: srun or ssh) starts one node
-agent per machine. The parent listens on ``--listen`` (an :class:`AgentListener`: CurveZMQ,
-one admitted client key; the wire format is :mod:`dist_kernel.tunnel`). Each node's agent
-connects out, says hello, starts its ranks when told, and relays their Jupyter messages. The
-listener is read on the kernel's event loop: a remote rank's channel hands its frames
-straight to the listener's socket and gets the rank's frames straight from it (a
-:class:`RemoteWire`), with no socket or thread in between. The same loop beats to the nodes
-and notices a node that went silent.
+agent per machine. The parent listens on ``--listen`` (an :class:`AgentListener`, listener.py:
+CurveZMQ, one admitted client key; the wire format is :mod:`dist_kernel.tunnel`). Each node's
+agent connects out, says hello, starts its ranks when told, and relays their Jupyter messages.
+The listener is read on the kernel's event loop: a remote rank's channel hands its messages to
+the listener, which sends them once per node, and gets the rank's frames straight from it (a
+:class:`RemoteWire`), with no socket or thread in between. The listener also notices a node
+whose connection dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import zmq
-import zmq.auth.thread
 
 from dist_kernel import tunnel
 from dist_kernel.exceptions import ConfigError, RankStartError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.channels import Wire, pending, zmq_fd
 from dist_kernel.parent.fault_policy import RemoteCause
 from dist_kernel.parent.launch.base import GangLauncher
+from dist_kernel.parent.launch.listener import AgentListener
 from dist_kernel.parent.launch.node_starters import default_listen, make_node_starter, node_starter_class
 from dist_kernel.parent.launch.node_starters.base import NodeStarter
 from dist_kernel.parent.launch.node_starters.slurm import SrunEvent, munge_socket
+from dist_kernel.parent.launch.remote_rank import RemoteRank
 from dist_kernel.processes import describe_exit
 
 #: a node whose agent has not said hello this long after its node starter started it (or left
 #: the queue) is a wiring mistake, reported well before --startup-timeout
 CONNECT_TIMEOUT = 30.0
-#: messages read from the listener per turn of the loop (a flood must not starve the rest)
-_BATCH = 200
-
-
-class _Admit:
-    """ZAP: admit exactly the client key this kernel start made."""
-
-    def __init__(self, public: str) -> None:
-        self.public = public.encode()
-
-    def callback(self, domain: str, key: bytes) -> bool:  # domain unused; key: z85, from pyzmq's ZAP
-        return hmac.compare_digest(key, self.public)
-
-
-@dataclass
-class Node:
-    """One node, as the parent knows it."""
-
-    index: int
-    host: str = ""
-    address: str = ""
-    pid: int = 0
-    last_heard: float = 0.0
-    hello: dict = field(default_factory=dict)
-    lost: str = ""
-
-
-class AgentListener:
-    """The parent's listener for the node agents, read on the kernel's event loop (named apart
-    from :mod:`dist_kernel.tunnel`, the wire format that both ends share)."""
-
-    def __init__(self, config: KernelConfig, keys: dict[str, str],
-                 on_event: Callable[[int, dict], None], log: logging.Logger) -> None:
-        self.config = config
-        self.keys = keys
-        self.on_event = on_event
-        self.log = log
-        self.ctx = zmq.Context()
-        self.auth = zmq.auth.thread.ThreadAuthenticator(self.ctx)
-        self.auth.start()
-        self.auth.configure_curve_callback(tunnel.ZAP_DOMAIN, _Admit(keys["client_public"]))
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.curve_server = True
-        self.router.curve_secretkey = keys["server_secret"].encode()
-        self.router.curve_publickey = keys["server_public"].encode()
-        self.router.zap_domain = tunnel.ZAP_DOMAIN.encode()
-        self.router.router_mandatory = False
-        self.router.sndhwm = self.router.rcvhwm = 0
-        self.router.linger = 0
-        self.nodes: dict[int, Node] = {}
-        #: rank -> where its channel takes its frames (channel name, frames)
-        self._wires: dict[int, Callable[[str, list[bytes]], None]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._beat: asyncio.TimerHandle | None = None
-        self._closed = False
-        self.sampling = False  # the beats ask the agents for their ranks' load (%dist_top)
-
-    def bind(self, address: str) -> int:
-        """Listen on ``address`` (a port from --port-range if given); the port."""
-        rng = self.config.port_range
-        if rng is None:
-            return self.router.bind_to_random_port(f"tcp://{address}")
-        for port in range(rng[0], rng[1] + 1):
-            try:
-                self.router.bind(f"tcp://{address}:{port}")
-                return port
-            except zmq.ZMQError:
-                continue
-        raise RankStartError(f"no free port in --port-range {rng[0]}-{rng[1]} on {address}. Fix: widen "
-                             "--port-range (the parent needs one port, rank 0's rendezvous another), then restart.")
-
-    def start(self) -> None:
-        """Read the listener and beat, on the running event loop."""
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(zmq_fd(self.router), self._drain)
-        self._loop.call_soon(self._drain)
-        self._tick()
-
-    # ------------------------------------------------------- a remote rank's wire
-    def attach(self, rank: int, deliver: Callable[[str, list[bytes]], None]) -> None:
-        self._wires[rank] = deliver
-
-    def detach(self, rank: int) -> None:
-        self._wires.pop(rank, None)
-
-    def send_msg(self, rank: int, channel: str, frames: list) -> None:
-        """One Jupyter message to a rank, through its node's agent."""
-        self._to_node(self.config.node_of(rank), [tunnel.MSG, str(rank).encode(), channel.encode(), *frames])
-
-    # ------------------------------------------------------- control
-    def send_ctl(self, node: int, event: dict) -> None:
-        """A control event for a node; from another thread it is handed to the loop."""
-        frames = tunnel.pack_ctl(self.keys["hmac_key"], event)
-        loop = self._loop
-        if loop is not None and loop.is_running() and not _in_loop(loop):
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self._to_node, node, frames)
-            return
-        self._to_node(node, frames)
-
-    def close(self) -> None:
-        """Stop reading and beating, close the listener; from any thread."""
-        loop = self._loop
-        if loop is not None and loop.is_running() and not _in_loop(loop):
-            done = threading.Event()
-
-            def close_there() -> None:
-                self._close()
-                done.set()
-
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(close_there)
-                done.wait(2)
-        self._close()
-
-    def _close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._beat is not None:
-            self._beat.cancel()
-        loop = self._loop
-        if loop is not None and not loop.is_closed() and _in_loop(loop):
-            with contextlib.suppress(Exception):
-                loop.remove_reader(zmq_fd(self.router))
-        with contextlib.suppress(Exception):
-            self.auth.stop()
-        with contextlib.suppress(Exception):
-            self.ctx.destroy(linger=0)
-
-    # ------------------------------------------------------- on the loop
-    def _tick(self) -> None:
-        """Every BEAT_INTERVAL: beat to each node, and call a node that fell silent lost. What
-        waits in the listener is read first: a loop that was busy for a moment heard nothing."""
-        if self._closed:
-            return
-        self._drain(again=False)
-        now = time.monotonic()
-        for node in self.nodes.values():
-            if node.lost:
-                continue
-            self._to_node(node.index, tunnel.pack_ctl(self.keys["hmac_key"], {"type": "beat", "sample": self.sampling}))
-            if now - node.last_heard > tunnel.LOST_AFTER:
-                node.lost = f"silent for {now - node.last_heard:.1f}s"
-                self.on_event(node.index, {"type": "lost", "silent": now - node.last_heard})
-        assert self._loop is not None
-        self._beat = self._loop.call_later(tunnel.BEAT_INTERVAL, self._tick)
-
-    def _drain(self, again: bool = True) -> None:
-        """Handle what the listener holds, at most ``_BATCH`` messages per turn of the loop."""
-        if self._closed:
-            return
-        try:
-            for _ in range(_BATCH):
-                if not pending(self.router):
-                    return
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
-                try:
-                    self._from_node(frames)
-                except Exception:  # one bad frame never stops the reading
-                    self.log.exception("listener: dropped a frame")
-        except zmq.ZMQError:
-            return
-        if again and self._loop is not None:  # more may wait: ZMQ's descriptor signals edges
-            self._loop.call_soon(self._drain)
-
-    def _to_node(self, node: int, frames: list) -> None:
-        if self._closed:
-            return
-        with contextlib.suppress(zmq.ZMQError):
-            self.router.send_multipart([f"node{node}".encode(), *frames])
-        if self._loop is not None and _in_loop(self._loop):
-            self._loop.call_soon(self._drain)  # a send can swallow the descriptor's edge
-
-    def _from_node(self, frames: list[bytes]) -> None:
-        ident, kind, *rest = frames
-        try:
-            index = int(ident.decode().removeprefix("node"))
-        except ValueError:
-            return
-        if kind == tunnel.MSG and len(rest) >= 2:
-            node = self.nodes.get(index)
-            if node is not None:
-                node.last_heard = time.monotonic()
-            rank, name, *msg = rest
-            deliver = self._wires.get(int(rank))
-            if deliver is not None and name in tunnel.CHANNELS:
-                deliver(name.decode(), msg)
-            return
-        if kind != tunnel.CTL:
-            return
-        try:
-            event = tunnel.unpack_ctl(self.keys["hmac_key"], rest, tunnel.FROM_NODE)
-        except tunnel.TunnelError as e:
-            self.log.warning("listener: node %d: %s", index, e)
-            return
-        node = self.nodes.setdefault(index, Node(index))
-        node.last_heard = time.monotonic()
-        if event["type"] == "hello":
-            node.host, node.address, node.pid, node.hello = (str(event.get("host", "")), str(event.get("address", "")),
-                                                             int(event.get("pid", 0)), event)
-        self.on_event(index, event)
-
-
-def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
-
-
-class RemoteWire:
-    """A remote rank's channels: its frames go straight into the listener, and come straight
-    out of it, tagged with the rank and the channel (see :mod:`dist_kernel.tunnel`)."""
-
-    def __init__(self, listener: AgentListener, rank: int) -> None:
-        self.listener = listener
-        self.rank = rank
-
-    def connect(self, identity: bytes) -> None:
-        """Nothing to connect: the agent's sockets on the node carry the identity it gives them."""
-
-    def open(self, deliver: Callable[[str, list[bytes]], None]) -> None:
-        self.listener.attach(self.rank, deliver)
-
-    def send(self, channel: str, frames: list) -> None:
-        self.listener.send_msg(self.rank, channel, frames)
-
-    def close(self) -> None:
-        self.listener.detach(self.rank)
-
-
-class RemoteRank:
-    """A rank on another machine: what its node's agent says about it; signals go through the
-    agent (provisioner method names, as :class:`~dist_kernel.parent.launch.base.RankHandle`)."""
-
-    def __init__(self, rank: int, node: Node, listener: AgentListener, key: str, pid: int) -> None:
-        self.rank = rank
-        self.node = node
-        self.listener = listener
-        self.key = key
-        self._pid = pid
-        self.returncode: int | None = None
-        self.state = ""
-        self.log = ""
-        self.gone = ""  # why the rank is gone without an exit code (its node was lost)
-        self.load: dict | None = None  # its agent's latest load sample (dist_kernel.load), while sampled
-
-    @property
-    def pid(self) -> int | None:
-        return self._pid
-
-    @property
-    def host(self) -> str:
-        return self.node.host
-
-    @property
-    def address(self) -> str:
-        return self.node.address
-
-    async def poll(self) -> int | None:
-        return self.returncode
-
-    async def send_signal(self, signum: int) -> None:
-        self.listener.send_ctl(self.node.index, {"type": "signal", "rank": self.rank, "signum": int(signum)})
-
-    async def kill(self) -> None:
-        await self.send_signal(signal.SIGKILL)
-
-    async def terminate(self) -> None:
-        await self.send_signal(signal.SIGTERM)
-
-    def exit_reason(self) -> str:
-        if self.gone:
-            return self.gone
-        return describe_exit(self.returncode) if self.returncode is not None else ""
-
-    def os_state(self) -> str:
-        return self.state
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "".join(self.log.splitlines(keepends=True)[-lines:])
-
-    def wire(self) -> tuple[dict, Wire]:
-        return {"key": self.key, "signature_scheme": "hmac-sha256"}, RemoteWire(self.listener, self.rank)
 
 
 class RemoteLauncher(GangLauncher):
@@ -360,6 +72,31 @@ class RemoteLauncher(GangLauncher):
         self._munge = False
         self._fresh_keys: Callable[[], bytes] = bytes
         self.stopped = False
+        self._respawns: dict[int, asyncio.Future] = {}  # rank -> its agent's answer to "respawn"
+
+    async def launch(self, rank: int) -> RemoteRank:
+        """The rank's node agent starts it anew, in place of the one that died (same rank number,
+        GPU and environment on the same node)."""
+        old = self.processes[rank]
+        assert self.listener is not None
+        if self.stopped or old.gone:  # the whole gang ended (a lost node, scancel): no agent to ask
+            raise RankStartError(f"rank {rank} {old.gone or 'was stopped with every rank'}; restart the kernel "
+                                 "to start fresh ranks.")
+        answer = asyncio.get_running_loop().create_future()
+        self._respawns[rank] = answer
+        self.listener.send_ctl(old.node.index, {"type": "respawn", "rank": rank})
+        try:
+            event = await asyncio.wait_for(answer, self.config.startup_timeout)
+        except asyncio.TimeoutError:
+            raise RankStartError(f"the node agent on {old.host} did not start rank {rank} again within "
+                                 f"{self.config.startup_timeout:.0f}s; restart the kernel.") from None
+        finally:
+            self._respawns.pop(rank, None)
+        if event["type"] == "respawn_failed":
+            raise RankStartError(f"the node agent on {old.host} could not start rank {rank} again: {event['error']}")
+        new = RemoteRank(rank, old.node, self.listener, old.key, int(event["pid"]))
+        self.processes[rank] = new
+        return new
 
     def _on_event(self, node: int, event: dict) -> None:
         kind = event["type"]
@@ -367,6 +104,10 @@ class RemoteLauncher(GangLauncher):
             self._track(node, event)
         if not self.processes or kind in ("hello", "started", "failed"):
             self._events.put_nowait((node, event))
+        elif kind in ("respawned", "respawn_failed"):
+            waiter = self._respawns.pop(int(event["rank"]), None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(event)
 
     def _on_queue(self, event: SrunEvent) -> None:
         """What srun says of the job: while it is queued the connect timeout does not run."""
@@ -520,16 +261,18 @@ class RemoteLauncher(GangLauncher):
         host = self._host(node)
         ranks = tuple(r for r, p in self.processes.items() if p.node.index == node)
         if kind == "exited":
-            # a rank exited (the OOM killer, a crash): reported as on one machine, then the ranks
-            # on every node are stopped (a group cannot go on without it)
+            # a rank exited (the OOM killer, a crash): one rank's death, as on one machine (the
+            # survivors keep their variables; %dist_respawn asks its agent for a new one). SIGTERM
+            # comes from outside (scancel, a time limit), which takes every rank: a fault of the
+            # gang, whose cause the agent's own word names better
             proc = self.processes.get(int(event["rank"]))
             if proc is not None and proc.returncode is None:
                 proc.log = str(event.get("log") or "")
                 proc.returncode = code = int(event["code"])
                 self.on_change(proc)
-                # SIGTERM comes from outside (scancel, a time limit): the agent's own word names it better
-                self.on_fault(RemoteCause("terminated" if code == -signal.SIGTERM else "exited",
-                                          f"rank {proc.rank} on {proc.host} {describe_exit(code)}", (proc.rank,)))
+                if code == -signal.SIGTERM:
+                    self.on_fault(RemoteCause("terminated", f"rank {proc.rank} on {proc.host} {describe_exit(code)}",
+                                              (proc.rank,)))
         elif kind == "ending":
             self.on_fault(RemoteCause("ending", f"the node agent on node {node} ({host}) is ending its ranks: "
                                                 f"{event.get('reason')}", ranks))
@@ -542,6 +285,9 @@ class RemoteLauncher(GangLauncher):
     def sample(self, on: bool) -> None:
         if self.listener is not None:
             self.listener.sampling = on
+        if not on:  # the beats carry loads only while sampling, and otherwise only changes
+            for proc in self.processes.values():
+                proc.load = None
 
     def failure(self) -> str | None:
         if self.stopped or self.node_starter is None:

@@ -17,9 +17,11 @@ from dist_kernel.options import KernelConfig
 from dist_kernel.parent.launch.node_starters.base import NodeStarter
 from dist_kernel.parent.launch.node_starters.slurm import SlurmNodeStarter, SrunEvent
 from dist_kernel.parent.launch.node_starters.ssh import SshNodeStarter
+from dist_kernel.parent.launch.node_starters.stub import StubNodeStarter
 
 #: ``--launcher`` value -> the node starter that serves it (``local`` needs none)
-NODE_STARTERS: dict[str, type[NodeStarter]] = {"slurm": SlurmNodeStarter, "ssh": SshNodeStarter}
+NODE_STARTERS: dict[str, type[NodeStarter]] = {"slurm": SlurmNodeStarter, "ssh": SshNodeStarter,
+                                               "stub": StubNodeStarter}
 
 
 def node_starter_class(config: KernelConfig) -> type[NodeStarter]:

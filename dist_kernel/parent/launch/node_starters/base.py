@@ -76,6 +76,17 @@ class StarterProcess:
         self.reader: threading.Thread | None = None
         self.exited_at: float | None = None  # monotonic time its exit was seen
         self.read_all = False  # its last lines were waited for once (see failure())
+        self.stdin_lock = threading.Lock()  # the key line first, fresh keys after it
+
+    def feed(self, lines: bytes) -> None:
+        """Write ``lines`` to its stdin (the whole of it before any later lines); from any thread."""
+        with self.stdin_lock:
+            try:
+                assert self.popen.stdin is not None
+                self.popen.stdin.write(lines)
+                self.popen.stdin.flush()
+            except (OSError, ValueError):  # exited or closed: failure() says why
+                pass
 
     def exited(self) -> bool:
         if self.popen.poll() is None:
@@ -179,24 +190,18 @@ class NodeStarter:
                                             name=f"dist_kernel {label}")
             child.reader.start()
             self._record()
-            try:
-                assert popen.stdin is not None
-                popen.stdin.write(bootstrap)
-                popen.stdin.flush()
-            except OSError:  # it died at once: failure() says why
-                pass
+            # from a thread: the key line of a large world (a key per rank) outgrows the pipe's
+            # 64 KiB, and the write would block the event loop until the agent has started and
+            # read it, while the nodes already connected wait for the parent's beats
+            threading.Thread(target=child.feed, args=(bootstrap,), daemon=True,
+                             name=f"dist_kernel {label} keys").start()
 
     def send(self, lines: bytes) -> None:
         """More lines for every agent's stdin (fresh MUNGE-wrapped keys once the job left the queue)."""
         with self._lock:
             children = list(self._children)
         for child in children:
-            try:
-                assert child.popen.stdin is not None
-                child.popen.stdin.write(lines)
-                child.popen.stdin.flush()
-            except (OSError, ValueError):  # exited or closed: failure() says why
-                continue
+            child.feed(lines)
 
     def _read(self, child: StarterProcess) -> None:
         """Read a starter process's output line by line until it closes; note its exit."""

@@ -1,0 +1,160 @@
+"""The magics that change which ranks make up the group, or bring a new rank in step, run:
+
+- ``%dist_respawn [SPEC]``: start dead ranks anew (all of them, or those SPEC names, as
+  ``%%rank`` writes them), and form the group again; the survivors keep their variables;
+- ``%dist_ranks [N]``: alone, the rank count and where it comes from; with N, grow or shrink the
+  ranks on this machine to N;
+- ``%dist_sync NAME [NAME ...] [--from R]``: copy variables from rank R (0) to every other rank.
+
+The work is the supervisor's (:mod:`dist_kernel.parent.membership`) and the ranks'
+(:mod:`dist_kernel.rank.sync`); this module reads the arguments and says what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from dist_kernel.exceptions import ConfigError, RankDiedError, RankSpecError, UsageError, error_content
+from dist_kernel.parent.execution import respawned
+from dist_kernel.parent.magics import format_ranks, parse_rank_spec
+
+if TYPE_CHECKING:
+    from dist_kernel.parent.ranks import Ranks
+    from dist_kernel.protocol import Synced
+
+NAMES = ("dist_respawn", "dist_ranks", "dist_sync")
+Publish = Callable[[str, dict], None]
+
+
+async def run_group_magics(ranks: Ranks, magics: tuple[tuple[str, str], ...], publish: Publish,
+                           started_with: int) -> dict | None:
+    """Run this module's magics among a cell's parent magics, in order; the first error ends them.
+    ``started_with``: the rank count the kernel started with (its kernelspec's)."""
+    for name, arg in magics:
+        if name not in NAMES:
+            continue
+        try:
+            if name == "dist_respawn":
+                text = await _respawn(ranks, arg)
+            elif name == "dist_ranks":
+                text = await _ranks(ranks, arg, started_with)
+            else:
+                text = await _sync(ranks, arg)
+        except (ConfigError, RankSpecError, UsageError, RankDiedError) as e:
+            return error_content(type(e), str(e))
+        except Exception as e:  # noqa: BLE001 - a rank that failed to start or join: said, the kernel stays
+            return error_content(RankDiedError, f"%{name} {arg}: {e}")
+        publish("stream", {"name": "stdout", "text": text + "\n"})
+    return None
+
+
+async def _respawn(ranks: Ranks, arg: str) -> str:
+    wanted = list(parse_rank_spec(arg, ranks.config.world_size)) if arg else None
+    dead = [r for r in range(ranks.config.world_size) if not ranks.alive(r)]
+    if wanted is None and not dead:
+        return "%dist_respawn: no rank is dead; nothing to start."
+    started = await ranks.respawn(wanted)
+    pids = ", ".join(f"rank {r}: {ranks.describe(r)}" for r in started)
+    return f"{respawned(started)} ({pids})"
+
+
+async def _ranks(ranks: Ranks, arg: str, started_with: int) -> str:
+    n_now = ranks.config.world_size
+    if not arg:
+        return (f"{n_now} ranks now; the kernel started with {started_with} (its kernelspec's --ranks, or "
+                "DIST_KERNEL_RANKS). %dist_ranks N changes the count in place.")
+    if not arg.isdigit() or int(arg) < 1:
+        raise UsageError(f"%dist_ranks {arg!r}: give a whole number of ranks, at least 1, e.g. %dist_ranks 4.")
+    started, ended = await ranks.resize(int(arg))
+    if not started and not ended:
+        return f"%dist_ranks: already {n_now} ranks; nothing changed."
+    said = [f"now {ranks.config.world_size} ranks; the process group was formed again and the other ranks kept "
+            "their variables."]
+    if started:
+        said.append(f"Started rank {format_ranks(started)}: their namespaces are empty (rebuild what they need, "
+                    "or copy it with %dist_sync NAME [NAME ...]).")
+    if ended:
+        said.append(f"Ended rank {format_ranks(ended)}.")
+    return " ".join(said)
+
+
+def parse_sync(arg: str, world_size: int) -> tuple[list[str], int]:
+    """``NAME [NAME ...] [--from R]``: the names and the source rank."""
+    words = arg.split()
+    src = 0
+    if "--from" in words:
+        i = words.index("--from")
+        value = words[i + 1] if i + 1 < len(words) else ""
+        if not value.isdigit() or int(value) >= world_size:
+            raise UsageError(f"%dist_sync --from {value!r}: name a rank, 0-{world_size - 1}.")
+        src = int(value)
+        del words[i:i + 2]
+    bad = [w for w in words if not w.isidentifier()]
+    if bad or not words:
+        raise UsageError(f"%dist_sync {arg!r}: give the variables' names, e.g. `%dist_sync model opt --from 0`"
+                         + (f" ({bad[0]!r} is not a name)" if bad else "") + ".")
+    return words, src
+
+
+async def _sync(ranks: Ranks, arg: str) -> str:
+    names, src = parse_sync(arg, ranks.config.world_size)
+    replies = await ranks.sync(names, src)
+    return sync_report(names, src, replies)
+
+
+def sync_report(names: list[str], src: int, replies: dict[int, Synced | str]) -> str:
+    """What ``%dist_sync`` did, per name; raises :class:`UsageError` naming what could not be copied."""
+    lost = {r: why for r, why in replies.items() if isinstance(why, str)}
+    failed: dict[str, dict[str, list[int]]] = {}
+    copied: dict[str, dict[str, list[int]]] = {}
+    for r, reply in sorted(replies.items()):
+        if isinstance(reply, str) or r == src:
+            continue
+        for name, why in reply.failed.items():
+            failed.setdefault(name, {}).setdefault(why, []).append(r)
+        for name, how in reply.copied.items():
+            copied.setdefault(name, {}).setdefault(how, []).append(r)
+    source = replies.get(src)
+    if not isinstance(source, str) and source is not None:
+        for name, why in source.failed.items():  # not on the source, or cannot travel: said once, for all
+            failed[name] = {why: []}
+    lines = [f"{name} to rank {format_ranks(rs)}: {how}" for name in names for how, rs in copied.get(name, {}).items()]
+    if failed or lost:
+        problems = [f"{name}: {why}" + (f" (rank {format_ranks(rs)})" if rs else "")
+                    for name in names for why, rs in failed.get(name, {}).items()]
+        problems += [f"rank {r} did not take part: {why}" for r, why in sorted(lost.items())]
+        done = ("; copied: " + "; ".join(lines)) if lines else ""
+        raise UsageError(f"%dist_sync from rank {src}: could not copy " + "; ".join(problems) + done)
+    return f"%dist_sync from rank {src}: " + "; ".join(lines)
+
+
+class IdleRespawn:
+    """``--respawn on`` for a rank that died between cells: it is started anew at once; the next
+    cell waits for that, and says what came of it."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Future | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._task is not None
+
+    def died(self, ranks: Ranks, rank: int, reason: str) -> None:
+        if ranks.config.respawn and self._task is None:
+            self._task = asyncio.ensure_future(self._respawn(ranks, rank, reason))
+
+    async def settle(self, publish: Publish) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            publish("stream", {"name": "stderr", "text": f"[dist_kernel] {await task}\n"})
+
+    @staticmethod
+    async def _respawn(ranks: Ranks, rank: int, reason: str) -> str:
+        await asyncio.sleep(0.5)  # a death seldom comes alone (the out-of-memory killer): take them together
+        try:
+            started = await ranks.respawn(None, auto=True)
+        except Exception as e:  # noqa: BLE001 - said in the next cell, which then fails on the dead rank
+            return f"rank {rank} {reason} between cells. --respawn on: {e}"
+        return f"rank {rank} {reason} between cells. {respawned(started)}"

@@ -1,0 +1,55 @@
+"""The kernel lane's order, so that its two workers (``-n 2 --dist loadfile``) end together.
+
+With ``--dist loadfile`` a worker runs one file at a time and takes the next file from a queue
+when it is nearly done. pytest-xdist orders that queue by each file's number of tests, which puts
+the long files of few tests (the benchmark smoke test, the GPU-proof rehearsal) at the end: one
+worker ran them while the other had nothing left to do. Here the queue is ordered by how long each
+file takes instead, longest first, so the short files fill the gaps at the end.
+
+The times are rough (seconds per file on the shared 2-core dev machine, from ``--durations``,
+measured beside another file's run, as a worker runs beside the other); only their order
+matters. A file not listed counts as short. Refresh them when a file's time changes much.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent.resolve()
+
+SECONDS = {
+    "test_faults.py": 340, "test_wedges.py": 290, "test_ecosystem_torch.py": 270, "test_ecosystem_hf.py": 240,
+    "test_benchmarks_smoke.py": 200, "test_gpu_proof.py": 200, "test_output_fidelity.py": 195, "test_fastai.py": 140,
+    "test_notebooks.py": 140, "test_kernel.py": 130, "test_respawn.py": 100, "test_progress_bars.py": 90,
+    "test_hangs.py": 85, "test_jupyterlab.py": 75, "test_cleanup.py": 55, "test_notices_and_small.py": 55,
+    "test_debugger.py": 50, "test_channel.py": 45, "test_frontend.py": 45, "test_group_destroyed.py": 45,
+    "test_conformance.py": 35, "test_shared_display_ids.py": 35, "test_startup_waves.py": 35, "test_history.py": 30,
+}
+SHORT = 20  # any other file
+
+
+def seconds(item: pytest.Item) -> float:
+    return SECONDS.get(Path(str(item.path)).name, SHORT)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """This lane's files, longest first, each file's tests together and in their own order; the
+    tests of other lanes (a run of all of ``tests/``) after them, in their order."""
+    def key(item: pytest.Item) -> tuple:
+        if Path(str(item.path)).resolve().parent != HERE:
+            return (1, 0.0, "")
+        return (0, -seconds(item), str(item.path))
+    items.sort(key=key)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadfile`` in the collection's order (above), not xdist's by number of tests."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)
