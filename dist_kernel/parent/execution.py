@@ -244,7 +244,8 @@ class CellRun:
             for r in self.busy_ranks:
                 self.on_rank_lost(r, RankDiedError, verdict.stuck.get(r, f"rank {r} did not stop"))
         elif verdict.action == "teardown":
-            log.warning("ranks %s stuck in collectives; tearing down the group", list(verdict.stuck))
+            log.warning("tearing down the group on ranks %s (%s; stuck: %s)", list(verdict.teardown_on), verdict.ename,
+                        list(verdict.stuck))
             self.group_broken = True
             failed = await via.teardown(verdict.teardown_on)
             if failed:
