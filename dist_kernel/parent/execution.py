@@ -349,6 +349,10 @@ class CellRun:
     async def _respawn(self) -> None:
         """Rank(s) died: start them anew now (``--respawn on``), or say how to."""
         dead = self.dead()
+        if len(dead) == len(self.world):  # nothing survived (a lost node, a cancelled job): nothing kept
+            self.notes.append("Every rank is gone. Restart the kernel (Kernel > Restart) to start fresh ranks; "
+                              "variables are lost.")
+            return
         if not self.spec.respawn:
             self.notes.append(respawn_hint(dead))
             return

@@ -30,7 +30,7 @@ from dist_kernel.exceptions import ConfigError, RankDiedError, RankRequestError,
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent import limits
 from dist_kernel.parent.channels import RankChannel
-from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit
+from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit, settle_for
 from dist_kernel.parent.launch import RankHandle, make_gang_launcher
 from dist_kernel.processes import state_words
 
@@ -39,8 +39,6 @@ LOG_TAIL_LINES = 30
 ANSWER_TIMEOUT = 2.0
 #: /proc states of a process that will not run until someone resumes it
 STOPPED = ("T", "t")
-#: how long the kernel listens for more news of a fault on another machine before naming its cause
-FAULT_SETTLE = 1.0
 
 
 @dataclass
@@ -112,7 +110,7 @@ class RankSupervisor:
         self.start_error: str | None = None
         self.closing = False
         self._watch_task: asyncio.Task | None = None
-        # faults on other machines, heard for FAULT_SETTLE before one is named (fault_policy rule 6)
+        # faults on other machines, heard for a moment before one is named (fault_policy rule 6)
         self._causes: list[RemoteCause] = []
         # ranks seen stopped: looked at on every turn of _watch until they run again, so a
         # continue is noticed even if its event was lost (a handful of ranks, never all)
@@ -389,7 +387,7 @@ class RankSupervisor:
             for r in self.ranks.values():
                 if r.channel is not None:
                     r.channel.hold_replies()
-            asyncio.get_running_loop().call_later(FAULT_SETTLE, self._report_fault)
+            asyncio.get_running_loop().call_later(settle_for(cause), self._report_fault)
 
     def _report_fault(self) -> None:
         """Name the cause on the ranks it took, stop the survivors on every node: nothing is

@@ -369,6 +369,15 @@ def test_a_group_destroyed_on_some_ranks_only_is_broken_for_the_others_and_forme
 
 
 # ------------------------------------------------------------ rule 6: ranks on other machines
+def test_a_fault_first_heard_as_its_consequence_is_heard_longer_for_its_cause():
+    from dist_kernel.parent.fault_policy import RemoteCause, settle_for
+
+    # a killed agent on n2: srun SIGTERMs n1's ranks at once, n2's loss is confirmed a second later
+    assert settle_for(RemoteCause("terminated", "rank 0 on n1 was killed by SIGTERM", (0,))) == 3.0
+    assert settle_for(RemoteCause("ending", "the agent on n1 got SIGTERM")) == 3.0
+    assert settle_for(RemoteCause("lost", "node 1 (n2) stopped answering", (2, 3))) == 1.0
+
+
 def test_a_rank_that_exited_on_a_node_outranks_what_followed_from_it():
     from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit
 
