@@ -266,6 +266,23 @@ def tune_link(sock: Any) -> None:
     sock.setsockopt(zmq.TCP_MAXRT, int(LOST_AFTER * 1000))
 
 
+def agent_socket(ctx: Any, boot: Bootstrap, node: int) -> Any:
+    """A node agent's end of the link (the real agent's and the stub agent's alike): CurveZMQ with
+    the kernel's keys, named after its node, never dropping a burst of output, tuned to drop a
+    cut link (:func:`tune_link`); not yet connected."""
+    import zmq
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.curve_serverkey = boot.server_key.encode()
+    sock.curve_publickey = boot.client_public.encode()
+    sock.curve_secretkey = boot.client_secret.encode()
+    sock.setsockopt(zmq.IDENTITY, f"node{node}".encode())
+    sock.linger = 1000
+    sock.sndhwm = sock.rcvhwm = 0
+    tune_link(sock)
+    return sock
+
+
 class LinkWatch:
     """An agent's view of the parent (the real agent's and the stub agent's alike): whether its
     connection is up, from the socket's ZMQ monitor events (:attr:`monitor`, polled with the

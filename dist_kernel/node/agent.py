@@ -126,14 +126,7 @@ class NodeAgent:
                  "an address of the parent's machine that the nodes can reach (not loopback), and a firewall "
                  "must let the nodes connect to --port-range.")
         self.ifname = tunnel.interface_of(self.address)
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.curve_serverkey = self.boot.server_key.encode()
-        sock.curve_publickey = self.boot.client_public.encode()
-        sock.curve_secretkey = self.boot.client_secret.encode()
-        sock.setsockopt(zmq.IDENTITY, f"node{self.node}".encode())
-        sock.linger = 1000
-        sock.sndhwm = sock.rcvhwm = 0  # a burst of output is never dropped
-        tunnel.tune_link(sock)  # a cut link drops: the parent counts as silent (LinkWatch)
+        sock = tunnel.agent_socket(self.ctx, self.boot, self.node)
         self.link = tunnel.LinkWatch(sock)
         sock.connect(self.parent)
         self.sock = sock

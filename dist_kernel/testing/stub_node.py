@@ -69,14 +69,7 @@ class StubNode:
         self.ending = ""
 
     def connect(self) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.curve_serverkey = self.boot.server_key.encode()
-        sock.curve_publickey = self.boot.client_public.encode()
-        sock.curve_secretkey = self.boot.client_secret.encode()
-        sock.setsockopt(zmq.IDENTITY, f"node{self.node}".encode())
-        sock.linger = 1000
-        sock.sndhwm = sock.rcvhwm = 0  # as the real agent: a burst of output is never dropped
-        tunnel.tune_link(sock)  # a cut link drops: the parent counts as silent (LinkWatch)
+        sock = tunnel.agent_socket(self.ctx, self.boot, self.node)  # as the real agent's
         self.link = tunnel.LinkWatch(sock)
         sock.connect(self.parent)
         self.sock = sock
