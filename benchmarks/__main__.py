@@ -21,7 +21,9 @@ HERE = Path(os.path.abspath(__file__)).parent
 DEFAULT_OUT = HERE / "results"
 
 SIZES = {
-    "quick": dict(ranks=[1, 2], main_ranks=[1, 2], startup_repeat_ranks=[], startup_repeats=1, rt_reps=20,
+    # the smoke test's run (tests/kernel/test_benchmarks_smoke.py): every section and row kind once, at the
+    # fewest processes; one rank count exercises the same code as several
+    "quick": dict(ranks=[2], main_ranks=[2], startup_repeat_ranks=[], startup_repeats=1, rt_reps=20,
                   rt_block=10, lat_lines=10, thr_mb=0.05, train=dict(steps=5, warmup=2, batch=16, width=64, depth=2),
                   peer_ranks=[2], ipp_reps=10, nbd_reps=0, idle_s=0.5, idle=dict(ranks=2, settle=0.5, window=1.0),
                   cluster=dict(launchers=["ssh"], rt_reps=20, rt_block=10, threads=1, train_repeats=1)),
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny sizes (the CI smoke test)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default benchmarks/results)")
-    p.add_argument("--ranks", default=None, help="comma list of rank counts (default 1,2,4,8; quick 1,2)")
+    p.add_argument("--ranks", default=None, help="comma list of rank counts (default 1,2,4,8; quick 2)")
     p.add_argument("--no-peers", action="store_true", help="skip ipyparallel and nbdistributed")
     p.add_argument("--from-json", default=None, help="only redraw the table and chart from a results.json")
     p.add_argument("--only", choices=["idle", "cluster", "lightning", "hf", "torch"], default=None,

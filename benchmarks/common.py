@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +76,21 @@ class CellTiming:
         return "".join(parts)
 
 
+def _over_ipc(km: KernelManager) -> KernelManager:
+    """``km`` with its client sockets on IPC, in a private folder (removed with ``km``).
+
+    Over TCP, jupyter_client picks five free ports and the kernel binds them later: a process of a
+    parallel test or benchmark can take one in between, and the kernel dies at start with "ZMQError:
+    Address already in use" (seen in the GPU-proof rehearsal beside the kernel lane's other worker).
+    A socket file in a folder of our own cannot be taken. Plain and distributed kernels alike: the
+    pairs of each section stay like for like."""
+    folder = tempfile.mkdtemp(prefix="dk-bench-")  # short: a unix socket path is limited to 107 bytes
+    km.transport = "ipc"
+    km.ip = os.path.join(folder, "kernel")
+    weakref.finalize(km, shutil.rmtree, folder, True)
+    return km
+
+
 class Kernel:
     """A started kernel (plain or distributed) with a blocking client; ``started`` is the start time."""
 
@@ -80,9 +98,9 @@ class Kernel:
         self.kind, self.ranks = kind, ranks
         if kind == "dist":
             ksm = spec_manager(["--ranks", str(ranks), *options])
-            self.km = KernelManager(kernel_name="distributed-python", kernel_spec_manager=ksm)
+            self.km = _over_ipc(KernelManager(kernel_name="distributed-python", kernel_spec_manager=ksm))
         else:
-            self.km = KernelManager(kernel_name="python3", kernel_spec_manager=_PlainSpecManager())
+            self.km = _over_ipc(KernelManager(kernel_name="python3", kernel_spec_manager=_PlainSpecManager()))
         self.started = time.perf_counter()
         self.km.start_kernel(env=_env(), cwd=str(ROOT))
         self.kc = self.km.client()

@@ -1,14 +1,14 @@
-"""The kernel lane's order, so that its two workers (``-n 2 --dist loadfile``) end together.
+"""The kernel lane's order, so that its workers (the README's ``-n 3 --dist loadfile``) end together.
 
 With ``--dist loadfile`` a worker runs one file at a time and takes the next file from a queue
 when it is nearly done. pytest-xdist orders that queue by each file's number of tests, which puts
 the long files of few tests (the benchmark smoke test, the GPU-proof rehearsal) at the end: one
-worker ran them while the other had nothing left to do. Here the queue is ordered by how long each
+worker ran them while the others had nothing left to do. Here the queue is ordered by how long each
 file takes instead, longest first, so the short files fill the gaps at the end.
 
 The times are rough (seconds per file on the shared 2-core dev machine, from ``--durations``,
-measured beside another file's run, as a worker runs beside the other); only their order
-matters. A file not listed counts as short. Refresh them when a file's time changes much.
+measured at ``-n 3``, each file beside two others, as a worker runs); only their order matters.
+A file not listed counts as short. Refresh them when a file's time changes much.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import pytest
 HERE = Path(__file__).parent.resolve()
 
 SECONDS = {
-    "test_faults.py": 340, "test_wedges.py": 290, "test_ecosystem_torch.py": 270, "test_ecosystem_hf.py": 240,
-    "test_benchmarks_smoke.py": 200, "test_gpu_proof.py": 200, "test_output_fidelity.py": 195, "test_fastai.py": 140,
-    "test_notebooks.py": 140, "test_kernel.py": 130, "test_respawn.py": 100, "test_progress_bars.py": 90,
-    "test_hangs.py": 85, "test_jupyterlab.py": 75, "test_cleanup.py": 55, "test_notices_and_small.py": 55,
-    "test_debugger.py": 50, "test_channel.py": 45, "test_frontend.py": 45, "test_group_destroyed.py": 45,
-    "test_conformance.py": 35, "test_shared_display_ids.py": 35, "test_startup_waves.py": 35, "test_history.py": 30,
+    "test_wedges.py": 450, "test_faults.py": 320, "test_ecosystem_torch.py": 260, "test_benchmarks_smoke.py": 250,
+    "test_ecosystem_hf.py": 225, "test_gpu_proof.py": 220, "test_output_fidelity.py": 190, "test_notebooks.py": 130,
+    "test_kernel.py": 120, "test_fastai.py": 110, "test_respawn.py": 85, "test_hangs.py": 75, "test_cleanup.py": 70,
+    "test_jupyterlab.py": 55, "test_progress_bars.py": 50, "test_conformance.py": 45, "test_channel.py": 35,
+    "test_debugger.py": 35, "test_shared_display_ids.py": 35, "test_notices_and_small.py": 25, "test_frontend.py": 25,
+    "test_open_file_limits.py": 25, "test_options_at_work.py": 25,
 }
 SHORT = 20  # any other file
 

@@ -18,12 +18,25 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from dist_kernel.runner import kernel_manager
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "examples"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _venv_extension_cache():
+    """DeepSpeed's shm op in a JIT cache of this venv's own, for the kernel and torchrun alike (as
+    ``benchmarks/torch_train.py`` does). torch's default cache is one per user that every venv shares,
+    and the op's build file names the venv: after a run from another checkout's venv the test rebuilt
+    the op (28 s alone, over 100 s beside the lane's other workers). The first run still builds it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR")
+                  or os.path.join(sys.prefix, "torch_extensions"))
+        yield
 _LINE = re.compile(r"DKTEST (?P<json>\{.*\})$", re.M)  # a rank label or a progress bar may come first
 
 #: what the kernel defines before the first cell, as a script defines it under torchrun
