@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from dist_kernel import protocol
 from dist_kernel.exceptions import ErrorName, RankDiedError, RankStoppedError, error_content
 from dist_kernel.parent import fault_policy
+from dist_kernel.parent.channels import shared_header
 from dist_kernel.parent.magics import format_ranks
 from dist_kernel.parent.relay import Outlet, OutputRelay
 
@@ -126,20 +127,24 @@ class CellRun:
 
     # --------------------------------------------------------------- send
     def start(self, content: dict, metadata: dict) -> list[str]:
-        """Send the execute request to every rank of the cell; the msg_ids sent."""
+        """Send the execute request to every rank of the cell (one header for all: each node's
+        agent then groups its ranks' replies); the msg_ids sent, each once."""
         sent = []
+        header = shared_header("execute_request")
         for rank in self.ranks:
             try:
-                msg_id, fut = self.via.send(rank, "execute_request", content, metadata=metadata)
+                msg_id, fut = self.via.send(rank, "execute_request", content, metadata=metadata, header=header)
             except RankDiedError as e:
                 self.on_rank_lost(rank, RankDiedError, str(e))
                 continue
             sent.append(msg_id)
-            self.via.listen(rank, msg_id, functools.partial(self.relay.on_iopub, rank))
             assert fut is not None
             fut.add_done_callback(functools.partial(self._replied, rank))
             if self.via.stopped(rank):
                 self.notice_stopped(rank)
+        sent = list(dict.fromkeys(sent))
+        for msg_id in sent:
+            self.via.listen_all(msg_id, self.relay.on_iopub)
         return sent
 
     def _replied(self, rank: int, fut: asyncio.Future) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import random
@@ -88,6 +89,8 @@ class RankSupervisor:
                  extra_argv: list[str] | None = None, on_note: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.on_unrouted = on_unrouted
+        #: msg_id -> the handler of a request sent to many ranks (a cell): (rank, IOPub message)
+        self.routes: dict[str, Callable[[int, dict], None]] = {}
         self.on_stdin = on_stdin or (lambda rank, msg: None)
         self.on_death = on_death
         self.on_stopped = on_stopped or (lambda rank, state: None)
@@ -140,6 +143,10 @@ class RankSupervisor:
             self.start_error = str(e) if isinstance(e, (RankStartError, ConfigError)) else f"{type(e).__name__}: {e}"
         if self.start_error:
             await self.shutdown(now=True)
+        else:
+            # what start-up made lives as long as the kernel: out of the collector's way, so that the
+            # collections that a cell's per-rank objects set off do not walk it each time
+            gc.freeze()
         self.ready.set()
 
     async def _start(self) -> None:
@@ -189,7 +196,8 @@ class RankSupervisor:
         async def alive() -> bool:
             return await process.poll() is None and not process.exit_reason()
 
-        channel = RankChannel(rank, connection, self.log, self.on_unrouted, self.on_stdin, wire=wire, alive=alive)
+        channel = RankChannel(rank, connection, self.log, self.on_unrouted, self.on_stdin, wire=wire, alive=alive,
+                              routes=self.routes)
         channel.start()
         r.channel = channel
         try:
@@ -456,3 +464,4 @@ class RankSupervisor:
         except subprocess.TimeoutExpired:
             self._reaper.kill()
             self._reaper.wait()
+

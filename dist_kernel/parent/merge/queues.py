@@ -7,7 +7,7 @@ the number of ranks (issue 26)."""
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Hashable, Iterable, Sequence
 
 from dist_kernel.parent.merge.units import ITEM_COST, Item
@@ -50,8 +50,10 @@ class RankQueues:
     max_pending: int
 
     def _init_queues(self, ranks: Sequence[int]) -> None:
-        self._queues: dict[int, deque[Item]] = {r: deque() for r in ranks}
-        self._counts: dict[int, dict[Hashable, int]] = {r: {} for r in ranks}
+        # made on a rank's first item: most cells leave most ranks' queues empty, and a cell's
+        # merger outlives it a while (late output): no per-rank objects for the collector to walk
+        self._queues: dict[int, deque[Item]] = defaultdict(deque)
+        self._counts: dict[int, dict[Hashable, int]] = defaultdict(dict)
         self._holders: dict[Hashable, int] = {}  # key -> ranks that have it queued
         self._heads: dict[Hashable, int] = {}  # key -> ranks whose next item it is
         self._heads_at: dict[tuple[int, Hashable], int] = {}  # (place, key) -> unfinished ranks, likewise
