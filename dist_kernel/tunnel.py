@@ -23,6 +23,10 @@ Frames, after the ROUTER's node identity on the parent's side:
   with that rank's key (:class:`Signer`), which it holds anyway to start the rank, behind the
   CurveZMQ link that only this kernel's client key may open. A cell thus crosses the link once
   per node, with its code once.
+- ``out``, payload, signature: consecutive IOPub messages (without buffers) of a node's ranks in
+  one turn, each checked with its rank's key, as one JSON list of [rank, header, parent header,
+  metadata, content] made from the messages' own JSON: the parent decodes one frame per turn
+  instead of checking and decoding each message (:class:`Turn`).
 - ``sum``, payload, signature: the ``execute_reply`` messages of a node's ranks that the agent
   read in one turn, checked with each rank's key and grouped by what they say (:class:`Replies`):
   JSON, signed with the tunnel key. A cell that ends alike on 64 ranks of a node is one entry
@@ -54,6 +58,7 @@ MSG = b"msg"
 FAN = b"fan"
 BATCH = b"bat"
 SUMMARY = b"sum"
+OUT = b"out"
 #: the delimiter of a Jupyter message's frames (jupyter_client's ``DELIM``)
 DELIM = b"<IDS|MSG>"
 #: the Jupyter channels a rank's messages travel on
@@ -244,6 +249,75 @@ class Signer:
         for part in shared[:3]:
             mac.update(part)
         return [DELIM, mac.hexdigest().encode(), header, *shared]
+
+
+class Turn:
+    """What a node's ranks said in one turn of its agent, as the frame sets to send, in order (the
+    real agent's and the stub agent's alike): IOPub messages checked and joined (``out``), anything
+    else as it came (``bat``), the cells' replies summarised (``sum``, last: a rank's reply never
+    overtakes its output). A rank's messages keep their order: consecutive messages of one kind
+    share a frame set, and a change of kind starts the next."""
+
+    def __init__(self, signer: Signer) -> None:
+        self._macs = signer._macs
+        self.replies = Replies(signer)
+        self._runs: list[tuple[bytes, list]] = []  # (OUT or BATCH, its entries), in order
+
+    def add(self, rank: int, channel: bytes, frames: list[bytes]) -> None:
+        """One message of ``rank`` on ``channel`` (its frames as the rank's socket gave them)."""
+        if self.replies.take(rank, channel, frames):
+            return
+        entry = self._checked(rank, frames) if channel == b"iopub" else None
+        kind = OUT if entry is not None else BATCH
+        if not self._runs or self._runs[-1][0] != kind:
+            self._runs.append((kind, []))
+        self._runs[-1][1].append(entry if entry is not None else (str(rank).encode(), channel, frames))
+
+    def _checked(self, rank: int, frames: list[bytes]) -> bytes | None:
+        """The message as one JSON entry, once its signature verifies; None: it travels as it came."""
+        try:
+            i = frames.index(DELIM)
+        except ValueError:
+            return None
+        mac = self._macs.get(rank)
+        if mac is None or len(frames) != i + 6:  # buffers (a widget's binary state) travel raw
+            return None
+        mac = mac.copy()
+        for part in frames[i + 2:i + 6]:
+            mac.update(part)
+        if not hmac.compare_digest(mac.hexdigest().encode(), frames[i + 1]):
+            return None  # the parent drops it, with a warning
+        header, parent, metadata, content = frames[i + 2:i + 6]
+        return b"[%d,%s,%s,%s,%s]" % (rank, header, parent, metadata, content)
+
+    def pack(self, key: str) -> list[list[bytes]]:
+        """The turn's frame sets, in order; empties the turn."""
+        runs, self._runs = self._runs, []
+        out = []
+        for kind, entries in runs:
+            if kind == OUT:
+                payload = b"[" + b",".join(entries) + b"]"
+                out.append([OUT, payload, sign(key, payload)])
+            else:
+                out.append(batch(entries))
+        summary = self.replies.pack(key)
+        if summary is not None:
+            out.append(summary)
+        return out
+
+
+def unpack_out(key: str, frames: list[bytes]) -> list[list]:
+    """An ``out`` frame set's entries (after the ``out`` frame): [rank, header, parent header,
+    metadata, content]. Raises :class:`TunnelError`."""
+    if len(frames) != 2 or not hmac.compare_digest(sign(key, frames[0]), frames[1]):
+        raise TunnelError("an output frame's signature does not verify")
+    try:
+        entries = json.loads(frames[0])
+    except ValueError:
+        raise TunnelError("a malformed output frame") from None
+    if not isinstance(entries, list):
+        raise TunnelError("a malformed output frame")
+    return entries
 
 
 class Replies:

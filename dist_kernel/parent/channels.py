@@ -420,10 +420,17 @@ class RankChannel:
             self.log.exception("rank %d: error handling %s %s", self.rank, channel, msg.get("msg_type"))
 
     def _take_checked(self, channel: str, msg: dict) -> None:
-        """A message its node agent checked (the rank's signature) and decoded: handled as is."""
+        """A message its node agent checked (the rank's signature) and decoded: handled as one
+        that came whole (an IOPub message is filtered and dated as :meth:`_decode_iopub` does)."""
         if self.closing:
             return
         try:
+            if channel == "iopub":
+                header, parent, content = msg["header"], msg["parent_header"], msg["content"]
+                checked = self._iopub(header, parent, lambda: content, lambda: msg["metadata"], [])
+                if checked is None:
+                    return
+                msg = checked
             self._handlers[channel](msg)
         except Exception:
             self.log.exception("rank %d: error handling %s %s", self.rank, channel, msg.get("msg_type"))
@@ -464,22 +471,27 @@ class RankChannel:
         """An IOPub message, or None for one the parent does not need (busy, execute_input,
         an idle no one waits for)."""
         i = self._verify(frames)
+        header = json.loads(frames[i])
+        return self._iopub(header, json.loads(frames[i + 1]), lambda: _content(header["msg_type"], frames[i + 3]),
+                           lambda: json.loads(frames[i + 2]), frames[i + 4:])
+
+    def _iopub(self, header: dict, parent: dict, content: Callable[[], dict], metadata: Callable[[], dict],
+               buffers: list[bytes]) -> dict | None:
+        """An IOPub message from its decoded header and parent header (its content and metadata
+        decoded only when needed), or None for one the parent does not need."""
         if self._heard_iopub is not None:
             self._heard_iopub.set()
-        header = json.loads(frames[i])
         msg_type = header["msg_type"]
         sent = self.send_clock.sent(header.get("date"))  # every message teaches it the offset
         if msg_type == "execute_input":
             return None
-        parent = json.loads(frames[i + 1])
-        content = _content(msg_type, frames[i + 3])
-        if msg_type == "status" and (content.get("execution_state") != "idle"
+        body = content()
+        if msg_type == "status" and (body.get("execution_state") != "idle"
                                      or (parent.get("msg_id") not in self._listeners
                                          and parent.get("msg_id") not in self._routes)):
             return None
         return {"header": header, "msg_id": header["msg_id"], "msg_type": msg_type, "parent_header": parent,
-                "metadata": json.loads(frames[i + 2]), "content": content, "buffers": frames[i + 4:],
-                "sent": sent}
+                "metadata": metadata(), "content": body, "buffers": buffers, "sent": sent}
 
     def _on_iopub(self, msg: dict) -> None:
         parent_id = msg["parent_header"].get("msg_id")

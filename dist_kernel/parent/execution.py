@@ -116,6 +116,7 @@ class CellRun:
         self.group_broken = False  # the process group was torn down during this cell
         self.notes: list[str] = []  # lines appended to the cell's error, if any
         self.reply_metadata: dict[int, dict] = {}  # rank -> its execute_reply's metadata
+        self._arrived: list[tuple[int, dict]] = []  # replies not yet handed to the relay
         self.noticed: set[tuple] = set()  # kernel notices already shown in this cell
         self._last_look: float | None = None
         self._looking: asyncio.Task | None = None
@@ -155,10 +156,16 @@ class CellRun:
         if exc is not None:
             self.on_rank_lost(rank, RankDiedError, str(exc), respawn_hint([rank]))
             return
-        msg = fut.result()
-        self.reply_metadata[rank] = msg.get("metadata") or {}
-        self.relay.on_reply(rank, msg["content"], self.reply_metadata[rank])
-        self.group.left_running.discard(rank)
+        self._arrived.append((rank, fut.result()))
+        if len(self._arrived) == 1:  # the replies that arrive in this turn (a node's summary), taken together
+            asyncio.get_running_loop().call_soon(self._take_replies)
+
+    def _take_replies(self) -> None:
+        arrived, self._arrived = self._arrived, []
+        for rank, msg in arrived:
+            self.reply_metadata[rank] = msg.get("metadata") or {}
+            self.group.left_running.discard(rank)
+        self.relay.on_replies([(rank, msg["content"], self.reply_metadata[rank]) for rank, msg in arrived])
 
     def on_rank_lost(self, rank: int, ename: ErrorName, evalue: str, hint: str = "") -> None:
         """A rank will never answer (it died): end its part of the cell with an error."""

@@ -33,6 +33,7 @@ from dist_kernel.parent import limits
 from dist_kernel.parent.channels import RankChannel
 from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit, settle_for
 from dist_kernel.parent.launch import RankHandle, make_gang_launcher
+from dist_kernel.parent.magics import format_ranks
 from dist_kernel.processes import state_words
 
 LOG_TAIL_LINES = 30
@@ -414,9 +415,15 @@ class RankSupervisor:
         asyncio.ensure_future(self.launcher.stop(now=True))
 
     def _rank_states(self) -> str:
-        words = [f"rank {r.rank} ({r.where}) {r.exit_reason or state_words(r.process.os_state())}"
-                 for r in self.ranks.values()]
-        return ("; ".join(words) + ". ") if words else ""
+        states = {r.rank: r.exit_reason or state_words(r.process.os_state()) for r in self.ranks.values()}
+        if len(states) > 8:  # many ranks: grouped by state, one line however many there are
+            by_state: dict[str, list[int]] = {}
+            for rank, state in states.items():
+                by_state.setdefault(state, []).append(rank)
+            groups = sorted(by_state.items(), key=lambda kv: min(kv[1]))
+            return "; ".join(f"rank {format_ranks(ranks)} {state}" for state, ranks in groups) + ". "
+        each = [f"rank {r.rank} ({r.where}) {states[r.rank]}" for r in self.ranks.values()]
+        return ("; ".join(each) + ". ") if each else ""
 
     # ------------------------------------------------------------ control
     async def interrupt(self, ranks: list[int]) -> None:

@@ -279,6 +279,27 @@ class AgentListener:
             return e.errno != zmq.EHOSTUNREACH
         return True
 
+    def _outputs(self, index: int, frames: list[bytes]) -> None:
+        """IOPub messages of a node's ranks that its agent checked and joined: one decode for all."""
+        try:
+            entries = tunnel.unpack_out(self.keys["hmac_key"], frames)
+        except tunnel.TunnelError as e:
+            self.log.warning("listener: node %d: %s", index, e)
+            return
+        node = self.nodes.get(index)
+        if node is not None:
+            node.last_heard = time.monotonic()
+        for entry in entries:
+            try:
+                rank, header, parent, metadata, content = entry
+                take = self._checked.get(rank)
+            except (ValueError, TypeError):
+                self.log.warning("listener: node %d: a malformed output entry", index)
+                continue
+            if take is not None:
+                take("iopub", {"header": header, "parent_header": parent, "metadata": metadata, "content": content,
+                               "buffers": []})
+
     def _replies(self, index: int, frames: list[bytes]) -> None:
         """A node's summary of its ranks' cell replies: each group decoded once, handed to each
         of its ranks as the reply message (one object, read-only downstream)."""
@@ -325,6 +346,9 @@ class AgentListener:
             return
         if kind == tunnel.SUMMARY:
             self._replies(index, rest)
+            return
+        if kind == tunnel.OUT:
+            self._outputs(index, rest)
             return
         if kind == tunnel.MSG and len(rest) >= 2:
             node = self.nodes.get(index)
