@@ -289,10 +289,11 @@ class AgentListener:
         node = self.nodes.get(index)
         if node is not None:
             node.last_heard = time.monotonic()
+        per_node = self.config.ranks_per_node
         for entry in entries:
             try:
                 rank, header, parent, metadata, content = entry
-                take = self._checked.get(rank)
+                take = self._checked.get(rank) if rank // per_node == index else None  # its own ranks only
             except (ValueError, TypeError):
                 self.log.warning("listener: node %d: a malformed output entry", index)
                 continue
@@ -316,7 +317,7 @@ class AgentListener:
                    "parent_header": {"msg_id": msg_id}, "metadata": {protocol.META: meta} if meta else {},
                    "content": content, "buffers": []}
             for rank in ranks:
-                take = self._checked.get(rank)
+                take = self._checked.get(rank) if rank // self.config.ranks_per_node == index else None
                 if take is not None:
                     take("shell", msg)
 

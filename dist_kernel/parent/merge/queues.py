@@ -84,7 +84,7 @@ class RankQueues:
         self._mark: dict[int, int] = {}
         self._bumps: dict[int, int] = {}
         self._bumps_key: dict[tuple[int, Hashable], int] = {}
-        self._recent: dict[int, OrderedDict[Hashable, int]] = {r: OrderedDict() for r in ranks}
+        self._recent: dict[int, OrderedDict[Hashable, int]] = defaultdict(OrderedDict)
         self._recent_by_key: dict[Hashable, dict[int, int]] = {}  # key -> {rank: place} of _recent
         self._index: dict[int, int] = {r: i for i, r in enumerate(ranks)}  # rank -> its place in self.ranks
 
@@ -121,7 +121,7 @@ class RankQueues:
 
     def _after(self, rank: int) -> None:
         """``rank``'s head or place changed: count it again where it is now."""
-        queue, place = self._queues[rank], self._place[rank]
+        queue, place = self._queues.get(rank), self._place[rank]
         if queue:
             self._queued.add(rank)
             self._idle.discard(rank)
