@@ -17,12 +17,21 @@ Frames, after the ROUTER's node identity on the parent's side:
 - ``bat``, then for each message rank, channel, frame count, *frames: the messages of several of
   a node's ranks that the agent read in one turn, in one frame set (:func:`batch`), each as
   ``msg`` carries it: the parent reads one message per node and turn, not one per rank.
-- ``fan``, channel, count, then rank and header per rank, then parent header, metadata, content,
-  *buffers: one Jupyter message to several ranks of the node, sent once (:func:`fan`). The
+- ``fan``, channel, count, then rank and header per rank (or ``*``, the ranks' numbers and one
+  header for them all), then parent header, metadata, content, *buffers: one Jupyter message to several ranks of the node, sent once (:func:`fan`). The
   parent sends every message to a remote rank so, unsigned; the agent signs each rank's copy
   with that rank's key (:class:`Signer`), which it holds anyway to start the rank, behind the
   CurveZMQ link that only this kernel's client key may open. A cell thus crosses the link once
   per node, with its code once.
+- ``out``, payload, signature: consecutive IOPub messages (without buffers) of a node's ranks in
+  one turn, each checked with its rank's key, as one JSON list of [rank, header, parent header,
+  metadata, content] made from the messages' own JSON: the parent decodes one frame per turn
+  instead of checking and decoding each message (:class:`Turn`).
+- ``sum``, payload, signature: the ``execute_reply`` messages of a node's ranks that the agent
+  read in one turn, checked with each rank's key and grouped by what they say (:class:`Replies`):
+  JSON, signed with the tunnel key. A cell that ends alike on 64 ranks of a node is one entry
+  with 64 rank numbers, decoded once by the parent instead of 64 signed messages. It follows
+  the turn's ``bat``, so a rank's outputs always arrive before its reply.
 
 Nothing here is ever unpickled: control payloads are JSON, Jupyter frames are passed through.
 
@@ -48,6 +57,8 @@ CTL = b"ctl"
 MSG = b"msg"
 FAN = b"fan"
 BATCH = b"bat"
+SUMMARY = b"sum"
+OUT = b"out"
 #: the delimiter of a Jupyter message's frames (jupyter_client's ``DELIM``)
 DELIM = b"<IDS|MSG>"
 #: the Jupyter channels a rank's messages travel on
@@ -193,7 +204,11 @@ def unpack_ctl(key: str, frames: list[bytes], allowed: tuple[str, ...]) -> dict[
 
 def fan(channel: bytes, headers: list[tuple[int, bytes]], shared: list[bytes]) -> list[bytes]:
     """One message to several ranks: each rank with its own header; ``shared``: the parent
-    header, metadata, content and buffers, the same for every rank."""
+    header, metadata, content and buffers, the same for every rank. When every rank has the same
+    header (a cell: ``channels.shared_header``) it travels once, after the list of ranks."""
+    first = headers[0][1] if headers else b""
+    if len(headers) > 1 and all(h is first or h == first for _, h in headers):
+        return [FAN, channel, b"*", ",".join(str(r) for r, _ in headers).encode(), first, *shared]
     frames = [FAN, channel, str(len(headers)).encode()]
     for rank, header in headers:
         frames += [str(rank).encode(), header]
@@ -204,11 +219,17 @@ def unfan(frames: list[bytes]) -> tuple[bytes, list[tuple[int, bytes]], list[byt
     """:func:`fan`'s frames (after the ``fan`` frame): the channel, (rank, header) per rank, the
     shared frames. Raises :class:`TunnelError` when malformed."""
     try:
-        channel, count = frames[0], int(frames[1])
-        headers = [(int(frames[2 + 2 * i]), frames[3 + 2 * i]) for i in range(count)]
+        channel = frames[0]
+        if frames[1] == b"*":  # one header for the listed ranks
+            header = frames[3]
+            headers = [(int(r), header) for r in frames[2].split(b",")]
+            shared = frames[4:]
+        else:
+            count = int(frames[1])
+            headers = [(int(frames[2 + 2 * i]), frames[3 + 2 * i]) for i in range(count)]
+            shared = frames[2 + 2 * count:]
     except (IndexError, ValueError):
         raise TunnelError("a malformed fan message") from None
-    shared = frames[2 + 2 * count:]
     if len(shared) < 3 or channel not in CHANNELS or channel == b"iopub":  # the parent never publishes
         raise TunnelError("a malformed fan message")
     return channel, headers, shared
@@ -228,6 +249,138 @@ class Signer:
         for part in shared[:3]:
             mac.update(part)
         return [DELIM, mac.hexdigest().encode(), header, *shared]
+
+
+class Turn:
+    """What a node's ranks said in one turn of its agent, as the frame sets to send, in order (the
+    real agent's and the stub agent's alike): IOPub messages checked and joined (``out``), anything
+    else as it came (``bat``), the cells' replies summarised (``sum``, last: a rank's reply never
+    overtakes its output). A rank's messages keep their order: consecutive messages of one kind
+    share a frame set, and a change of kind starts the next."""
+
+    def __init__(self, signer: Signer) -> None:
+        self._macs = signer._macs
+        self.replies = Replies(signer)
+        self._runs: list[tuple[bytes, list]] = []  # (OUT or BATCH, its entries), in order
+
+    def add(self, rank: int, channel: bytes, frames: list[bytes]) -> None:
+        """One message of ``rank`` on ``channel`` (its frames as the rank's socket gave them)."""
+        if self.replies.take(rank, channel, frames):
+            return
+        entry = self._checked(rank, frames) if channel == b"iopub" else None
+        kind = OUT if entry is not None else BATCH
+        if not self._runs or self._runs[-1][0] != kind:
+            self._runs.append((kind, []))
+        self._runs[-1][1].append(entry if entry is not None else (str(rank).encode(), channel, frames))
+
+    def _checked(self, rank: int, frames: list[bytes]) -> bytes | None:
+        """The message as one JSON entry, once its signature verifies; None: it travels as it came."""
+        try:
+            i = frames.index(DELIM)
+        except ValueError:
+            return None
+        mac = self._macs.get(rank)
+        if mac is None or len(frames) != i + 6:  # buffers (a widget's binary state) travel raw
+            return None
+        mac = mac.copy()
+        for part in frames[i + 2:i + 6]:
+            mac.update(part)
+        if not hmac.compare_digest(mac.hexdigest().encode(), frames[i + 1]):
+            return None  # the parent drops it, with a warning
+        header, parent, metadata, content = frames[i + 2:i + 6]
+        return b"[%d,%s,%s,%s,%s]" % (rank, header, parent, metadata, content)
+
+    def pack(self, key: str) -> list[list[bytes]]:
+        """The turn's frame sets, in order; empties the turn."""
+        runs, self._runs = self._runs, []
+        out = []
+        for kind, entries in runs:
+            if kind == OUT:
+                payload = b"[" + b",".join(entries) + b"]"
+                out.append([OUT, payload, sign(key, payload)])
+            else:
+                out.append(batch(entries))
+        summary = self.replies.pack(key)
+        if summary is not None:
+            out.append(summary)
+        return out
+
+
+def unpack_out(key: str, frames: list[bytes]) -> list[list]:
+    """An ``out`` frame set's entries (after the ``out`` frame): [rank, header, parent header,
+    metadata, content]. Raises :class:`TunnelError`."""
+    if len(frames) != 2 or not hmac.compare_digest(sign(key, frames[0]), frames[1]):
+        raise TunnelError("an output frame's signature does not verify")
+    try:
+        entries = json.loads(frames[0])
+    except ValueError:
+        raise TunnelError("a malformed output frame") from None
+    if not isinstance(entries, list):
+        raise TunnelError("a malformed output frame")
+    return entries
+
+
+class Replies:
+    """The agent's side of ``sum``: its ranks' ``execute_reply`` messages of one turn, each checked
+    with its rank's key (a message that does not verify, or carries buffers, travels as it came,
+    and the parent drops it with a warning), grouped by request, content and dist_kernel's
+    metadata (the only part of the metadata the parent reads)."""
+
+    def __init__(self, signer: Signer) -> None:
+        self._macs = signer._macs
+        self._groups: dict[tuple[str, bytes, str], list[int]] = {}
+
+    def take(self, rank: int, channel: bytes, frames: list[bytes]) -> bool:
+        """True when the message is an execute_reply, now held for :meth:`pack`."""
+        if channel != b"shell":
+            return False
+        try:
+            i = frames.index(DELIM)
+        except ValueError:
+            return False
+        if len(frames) != i + 6 or b'"execute_reply"' not in frames[i + 2]:
+            return False
+        mac = self._macs.get(rank)
+        if mac is None:
+            return False
+        mac = mac.copy()
+        for part in frames[i + 2:i + 6]:
+            mac.update(part)
+        if not hmac.compare_digest(mac.hexdigest().encode(), frames[i + 1]):
+            return False
+        try:
+            if json.loads(frames[i + 2]).get("msg_type") != "execute_reply":
+                return False
+            msg_id = json.loads(frames[i + 3])["msg_id"]
+            meta = json.loads(frames[i + 4]).get("dist_kernel")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return False
+        key = (str(msg_id), frames[i + 5], json.dumps(meta, sort_keys=True) if meta else "")
+        self._groups.setdefault(key, []).append(rank)
+        return True
+
+    def pack(self, key: str) -> list[bytes] | None:
+        """The held replies as one ``sum`` frame set (None when none are held); empties the hold."""
+        if not self._groups:
+            return None
+        groups, self._groups = self._groups, {}
+        entries = [[msg_id, json.loads(content), json.loads(meta) if meta else None, ranks]
+                   for (msg_id, content, meta), ranks in groups.items()]
+        payload = json.dumps(entries).encode()
+        return [SUMMARY, payload, sign(key, payload)]
+
+
+def unpack_replies(key: str, frames: list[bytes]) -> list[tuple[str, dict, dict | None, list[int]]]:
+    """A ``sum`` frame set's groups (after the ``sum`` frame): (the request's msg_id, the reply
+    content, dist_kernel's metadata or None, the ranks). Raises :class:`TunnelError`."""
+    if len(frames) != 2 or not hmac.compare_digest(sign(key, frames[0]), frames[1]):
+        raise TunnelError("a summary frame's signature does not verify")
+    try:
+        entries = json.loads(frames[0])
+        return [(str(m), c, meta, [int(r) for r in ranks]) for m, c, meta, ranks in entries
+                if isinstance(c, dict) and (meta is None or isinstance(meta, dict))]
+    except (ValueError, TypeError):
+        raise TunnelError("a malformed summary") from None
 
 
 def batch(messages: list[tuple[bytes, bytes, list[bytes]]]) -> list[bytes]:

@@ -7,7 +7,8 @@ that it can reach the parent, connects out to it (CurveZMQ), says hello, and onc
 says ``start`` launches this node's ranks as ipykernels on IPC sockets in a private
 directory, exactly as the parent does on one machine. From then on it relays each rank's
 Jupyter messages both ways (the parent's as one message for several ranks, which it signs
-with each rank's key; the ranks' in one batch per turn: :mod:`dist_kernel.tunnel`), beats
+with each rank's key; what the ranks say, checked and joined per turn, their cells' replies
+summarised: :mod:`dist_kernel.tunnel`), beats
 every half second with the ranks whose state changed, reports a rank that exits, and signals
 ranks when the parent asks (the stop button).
 
@@ -110,6 +111,7 @@ class NodeAgent:
         self.master: tuple[str, int | None] = ("", None)  # the ranks' MASTER_ADDR and MASTER_PORT
         self.retired: list[zmq.Socket] = []  # sockets of ranks started anew, closed by the loop
         self.signer = tunnel.Signer(boot.rank_keys)  # the parent's fan messages, signed per rank
+        self.turn = tunnel.Turn(self.signer)  # what the ranks say in a turn: checked, joined, summarised
         self.beat_sampled = False  # the last beat carried loads: the next tells every rank without
 
     # ---------------------------------------------------------------- start
@@ -225,7 +227,6 @@ class NodeAgent:
                     if s not in owners:
                         owners[s] = (rank, name)
                         poller.register(s, zmq.POLLIN)
-            out: list[tuple[bytes, bytes, list[bytes]]] = []  # what the ranks said this turn: one batch
             for s, _ in poller.poll(100):
                 if s is self.sock:
                     self.from_parent(self.sock.recv_multipart(copy=True))
@@ -233,9 +234,9 @@ class NodeAgent:
                     link.read()
                 else:
                     rank, name = owners[s]
-                    out.append((str(rank).encode(), name, s.recv_multipart(copy=True)))
-            if out:
-                self.sock.send_multipart(tunnel.batch(out))
+                    self.turn.add(rank, name, s.recv_multipart(copy=True))
+            for frames in self.turn.pack(self.boot.hmac_key):
+                self.sock.send_multipart(frames)
             self.ending = link.turn(self.beat, self.stdin_closed.is_set(), "srun or ssh ended")
 
     def beat(self) -> None:

@@ -101,6 +101,21 @@ def _packed_once(session: Session, metadata: dict | None, content: dict, buffers
     return last[3]
 
 
+_SHARED_SESSION = f"{os.urandom(8).hex()}_{os.getpid()}"
+_shared_ids = itertools.count()
+
+
+def shared_header(msg_type: str) -> tuple[str, bytes]:
+    """A request's header, packed once for every rank it goes to (a cell: :meth:`RankChannel.send`
+    with ``header``): its msg_id is the same on each rank, which answers on channels of its own.
+    Its node's agent then fans out one header, and groups the ranks' replies by it (tunnel.py)."""
+    msg_id = f"{_SHARED_SESSION}_{next(_shared_ids)}"
+    header = {"msg_id": msg_id, "msg_type": msg_type, "username": os.environ.get("USER", "username"),
+              "session": _SHARED_SESSION, "version": _PROTOCOL_VERSION,
+              "date": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
+    return msg_id, json.dumps(header).encode()
+
+
 class SendClock:
     """When a rank sent its messages, in the parent's clock (``time.monotonic``).
 
@@ -143,9 +158,11 @@ class Wire(Protocol):
     def connect(self, identity: bytes) -> None:
         """Reach the rank as ``identity`` (the rank answers ``input()`` to the shell sender's)."""
 
-    def open(self, deliver: Callable[[str, list[bytes]], None]) -> None:
+    def open(self, deliver: Callable[[str, list[bytes]], None], checked: Callable[[str, dict], None]) -> None:
         """From now on, hand every incoming message (its channel's name, its frames) to
-        ``deliver``, on the running event loop."""
+        ``deliver``, on the running event loop; a message that its node agent checked already
+        and sends decoded (a cell's reply, in a summary of its node's replies: tunnel.py) to
+        ``checked``."""
 
     def send(self, channel: str, header: bytes, shared: list[bytes], sign: Callable[[list[bytes]], bytes]) -> None:
         """One message to the rank on ``channel`` (shell, control or stdin): its packed header,
@@ -190,7 +207,7 @@ class SocketWire:
             sock.connect(self._url(channel))
             self._sockets[channel] = sock
 
-    def open(self, deliver: Callable[[str, list[bytes]], None]) -> None:
+    def open(self, deliver: Callable[[str, list[bytes]], None], checked: Callable[[str, dict], None]) -> None:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._deliver = deliver
@@ -242,12 +259,15 @@ class RankChannel:
 
     ``connection``: the rank's Jupyter connection info (its HMAC key and signature scheme;
     where its sockets are, unless ``wire`` says how to reach them). ``alive``: whether the rank
-    process still runs, asked while waiting for it to start (default: assume so).
+    process still runs, asked while waiting for it to start (default: assume so). ``routes``:
+    handlers of requests sent to many ranks at once (a cell: one handler for all its ranks,
+    called with the rank), shared by the ranks' channels.
     """
 
     def __init__(self, rank: int, connection: dict, log: logging.Logger,
                  on_unrouted: Callable[[int, dict], None], on_stdin: Callable[[int, dict], None],
-                 wire: Wire | None = None, alive: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 wire: Wire | None = None, alive: Callable[[], Awaitable[bool]] | None = None,
+                 routes: dict[str, Callable[[int, dict], None]] | None = None) -> None:
         self.rank = rank
         self.log = log
         self._on_unrouted = on_unrouted
@@ -263,6 +283,7 @@ class RankChannel:
         self._ids = itertools.count()
         self._id_prefix = f"{self.session.session}_{os.getpid()}"
         self._listeners: dict[str, IOPubHandler] = {}
+        self._routes = routes if routes is not None else {}
         self._pending: dict[str, asyncio.Future] = {}
         self._handlers: dict[str, Callable[[dict], None]] = {
             "iopub": self._on_iopub, "shell": self._resolve_shell, "control": self._resolve, "stdin": self._route_stdin}
@@ -283,7 +304,7 @@ class RankChannel:
         RuntimeError if the rank dies first or does not answer in ``timeout`` seconds."""
         loop = asyncio.get_running_loop()
         self._heard_iopub = asyncio.Event()
-        self.wire.open(self._take)
+        self.wire.open(self._take, self._take_checked)
         deadline = loop.time() + timeout
         while True:
             self._heard_iopub.clear()
@@ -315,31 +336,35 @@ class RankChannel:
         self._listeners.pop(msg_id, None)
 
     def send(self, msg_type: str, content: dict, metadata: dict | None = None, buffers: list | None = None,
-             expect_reply: bool = True, channel: str = "shell") -> tuple[str, asyncio.Future | None]:
-        """Send one request; its msg_id, and a future for its reply (None if none is expected)."""
+             expect_reply: bool = True, channel: str = "shell",
+             header: tuple[str, bytes] | None = None) -> tuple[str, asyncio.Future | None]:
+        """Send one request; its msg_id, and a future for its reply (None if none is expected).
+        ``header``: its msg_id and packed header, shared with the other ranks it goes to
+        (:func:`shared_header`); by default one of this channel's own."""
         if self.dead is not None:
             raise self.dead
         if self.closing:
             raise RankDiedError(f"rank {self.rank}: the kernel is shutting down")
-        msg_id = f"{self._id_prefix}_{next(self._ids)}"
+        msg_id = header[0] if header is not None else f"{self._id_prefix}_{next(self._ids)}"
         fut = None
         if expect_reply:
             fut = asyncio.get_running_loop().create_future()
             self._pending[msg_id] = fut
-        self._send(channel, msg_id, msg_type, content, metadata, buffers)
+        self._send(channel, msg_id, msg_type, content, metadata, buffers, header[1] if header is not None else None)
         return msg_id, fut
 
     def _send(self, channel: str, msg_id: str, msg_type: str, content: dict, metadata: dict | None = None,
-              buffers: list | None = None) -> None:
+              buffers: list | None = None, packed: bytes | None = None) -> None:
         session = self.session
-        header = {"msg_id": msg_id, "msg_type": msg_type, "username": session.username,
-                  "session": session.session, "version": _PROTOCOL_VERSION,
-                  "date": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
+        if packed is None:
+            packed = session.pack({"msg_id": msg_id, "msg_type": msg_type, "username": session.username,
+                                   "session": session.session, "version": _PROTOCOL_VERSION,
+                                   "date": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")})
         if msg_type == "execute_request":
             shared = _packed_once(session, metadata, content, buffers)
         else:
             shared = [b"{}", session.pack(metadata or {}), session.pack(content), *(buffers or ())]
-        self.wire.send(channel, session.pack(header), shared, session.sign)
+        self.wire.send(channel, packed, shared, session.sign)
 
     async def shell_request(self, msg_type: str, content: dict, timeout: float = 10.0,
                             channel: str = "shell") -> dict:
@@ -394,6 +419,22 @@ class RankChannel:
         except Exception:
             self.log.exception("rank %d: error handling %s %s", self.rank, channel, msg.get("msg_type"))
 
+    def _take_checked(self, channel: str, msg: dict) -> None:
+        """A message its node agent checked (the rank's signature) and decoded: handled as one
+        that came whole (an IOPub message is filtered and dated as :meth:`_decode_iopub` does)."""
+        if self.closing:
+            return
+        try:
+            if channel == "iopub":
+                header, parent, content = msg["header"], msg["parent_header"], msg["content"]
+                checked = self._iopub(header, parent, lambda: content, lambda: msg["metadata"], [])
+                if checked is None:
+                    return
+                msg = checked
+            self._handlers[channel](msg)
+        except Exception:
+            self.log.exception("rank %d: error handling %s %s", self.rank, channel, msg.get("msg_type"))
+
     def _verify(self, frames: list[bytes]) -> int:
         """Check the signature of a message; the index of its header frame."""
         try:
@@ -430,27 +471,37 @@ class RankChannel:
         """An IOPub message, or None for one the parent does not need (busy, execute_input,
         an idle no one waits for)."""
         i = self._verify(frames)
+        header = json.loads(frames[i])
+        return self._iopub(header, json.loads(frames[i + 1]), lambda: _content(header["msg_type"], frames[i + 3]),
+                           lambda: json.loads(frames[i + 2]), frames[i + 4:])
+
+    def _iopub(self, header: dict, parent: dict, content: Callable[[], dict], metadata: Callable[[], dict],
+               buffers: list[bytes]) -> dict | None:
+        """An IOPub message from its decoded header and parent header (its content and metadata
+        decoded only when needed), or None for one the parent does not need."""
         if self._heard_iopub is not None:
             self._heard_iopub.set()
-        header = json.loads(frames[i])
         msg_type = header["msg_type"]
         sent = self.send_clock.sent(header.get("date"))  # every message teaches it the offset
         if msg_type == "execute_input":
             return None
-        parent = json.loads(frames[i + 1])
-        content = _content(msg_type, frames[i + 3])
-        if msg_type == "status" and (content.get("execution_state") != "idle"
-                                     or parent.get("msg_id") not in self._listeners):
+        body = content()
+        if msg_type == "status" and (body.get("execution_state") != "idle"
+                                     or (parent.get("msg_id") not in self._listeners
+                                         and parent.get("msg_id") not in self._routes)):
             return None
         return {"header": header, "msg_id": header["msg_id"], "msg_type": msg_type, "parent_header": parent,
-                "metadata": json.loads(frames[i + 2]), "content": content, "buffers": frames[i + 4:],
-                "sent": sent}
+                "metadata": metadata(), "content": body, "buffers": buffers, "sent": sent}
 
     def _on_iopub(self, msg: dict) -> None:
         parent_id = msg["parent_header"].get("msg_id")
         handler = self._listeners.get(parent_id) if parent_id is not None else None
         if handler is not None:
             handler(msg)
+            return
+        route = self._routes.get(parent_id) if parent_id is not None else None
+        if route is not None:
+            route(self.rank, msg)
         else:
             self._on_unrouted(self.rank, msg)
 

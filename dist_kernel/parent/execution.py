@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from dist_kernel import protocol
 from dist_kernel.exceptions import ErrorName, RankDiedError, RankStoppedError, error_content
 from dist_kernel.parent import fault_policy
+from dist_kernel.parent.channels import shared_header
 from dist_kernel.parent.magics import format_ranks
 from dist_kernel.parent.relay import Outlet, OutputRelay
 
@@ -115,6 +116,7 @@ class CellRun:
         self.group_broken = False  # the process group was torn down during this cell
         self.notes: list[str] = []  # lines appended to the cell's error, if any
         self.reply_metadata: dict[int, dict] = {}  # rank -> its execute_reply's metadata
+        self._arrived: list[tuple[int, dict]] = []  # replies not yet handed to the relay
         self.noticed: set[tuple] = set()  # kernel notices already shown in this cell
         self._last_look: float | None = None
         self._looking: asyncio.Task | None = None
@@ -126,20 +128,24 @@ class CellRun:
 
     # --------------------------------------------------------------- send
     def start(self, content: dict, metadata: dict) -> list[str]:
-        """Send the execute request to every rank of the cell; the msg_ids sent."""
+        """Send the execute request to every rank of the cell (one header for all: each node's
+        agent then groups its ranks' replies); the msg_ids sent, each once."""
         sent = []
+        header = shared_header("execute_request")
         for rank in self.ranks:
             try:
-                msg_id, fut = self.via.send(rank, "execute_request", content, metadata=metadata)
+                msg_id, fut = self.via.send(rank, "execute_request", content, metadata=metadata, header=header)
             except RankDiedError as e:
                 self.on_rank_lost(rank, RankDiedError, str(e))
                 continue
             sent.append(msg_id)
-            self.via.listen(rank, msg_id, functools.partial(self.relay.on_iopub, rank))
             assert fut is not None
             fut.add_done_callback(functools.partial(self._replied, rank))
             if self.via.stopped(rank):
                 self.notice_stopped(rank)
+        sent = list(dict.fromkeys(sent))
+        for msg_id in sent:
+            self.via.listen_all(msg_id, self.relay.on_iopub)
         return sent
 
     def _replied(self, rank: int, fut: asyncio.Future) -> None:
@@ -150,10 +156,16 @@ class CellRun:
         if exc is not None:
             self.on_rank_lost(rank, RankDiedError, str(exc), respawn_hint([rank]))
             return
-        msg = fut.result()
-        self.reply_metadata[rank] = msg.get("metadata") or {}
-        self.relay.on_reply(rank, msg["content"], self.reply_metadata[rank])
-        self.group.left_running.discard(rank)
+        self._arrived.append((rank, fut.result()))
+        if len(self._arrived) == 1:  # the replies that arrive in this turn (a node's summary), taken together
+            asyncio.get_running_loop().call_soon(self._take_replies)
+
+    def _take_replies(self) -> None:
+        arrived, self._arrived = self._arrived, []
+        for rank, msg in arrived:
+            self.reply_metadata[rank] = msg.get("metadata") or {}
+            self.group.left_running.discard(rank)
+        self.relay.on_replies([(rank, msg["content"], self.reply_metadata[rank]) for rank, msg in arrived])
 
     def on_rank_lost(self, rank: int, ename: ErrorName, evalue: str, hint: str = "") -> None:
         """A rank will never answer (it died): end its part of the cell with an error."""

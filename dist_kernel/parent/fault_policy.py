@@ -69,6 +69,7 @@ A legitimate long collective that every rank is in, and a long computation, are 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypeAlias
@@ -121,9 +122,10 @@ class Cell:
     #: ranks stopped at a breakpoint of JupyterLab's debugger (rule 7)
     debug_stopped: tuple[int, ...] = ()
 
-    @property
+    @functools.cached_property
     def idle(self) -> tuple[int, ...]:
-        return tuple(r for r in self.world if r not in self.busy and r not in self.dead)
+        gone = {*self.busy, *self.dead}  # a set, and once per Cell: this was O(ranks^2) per look
+        return tuple(r for r in self.world if r not in gone)
 
     @property
     def at_breakpoint(self) -> bool:

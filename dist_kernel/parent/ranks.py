@@ -34,12 +34,18 @@ class CellRanks(Protocol):
     """What one cell's run needs of the ranks."""
 
     def send(self, rank: int, msg_type: str, content: dict, metadata: dict | None = None,
-             buffers: list | None = None, expect_reply: bool = True) -> tuple[str, asyncio.Future | None]:
+             buffers: list | None = None, expect_reply: bool = True,
+             header: tuple[str, bytes] | None = None) -> tuple[str, asyncio.Future | None]:
         """Send a shell request to a rank: its msg_id and the future of its reply message.
+        ``header``: one shared by every rank the request goes to (``channels.shared_header``).
         Raises :class:`~dist_kernel.exceptions.RankDiedError` when the rank is gone."""
 
     def listen(self, rank: int, msg_id: str, handler: IOPubHandler) -> None:
         """Route the rank's IOPub messages for request ``msg_id`` to ``handler``."""
+
+    def listen_all(self, msg_id: str, handler: Callable[[int, dict], None]) -> None:
+        """Route every rank's IOPub messages for request ``msg_id`` (sent to them with one shared
+        header) to ``handler``, with the rank: one route for the cell, not one per rank."""
 
     async def where(self, rank: int) -> Place | None:
         """Where the rank's cell is; None when it does not answer."""
@@ -142,6 +148,7 @@ class SupervisedRanks:
     def __init__(self, supervisor: RankSupervisor) -> None:
         self.sup = supervisor
         self._listening: deque[tuple[int, str]] = deque()  # (rank, msg_id) of recent requests
+        self._routed: deque[str] = deque()  # msg_ids of recent cells (listen_all)
 
     # what the supervisor holds, as is
     @property
@@ -216,9 +223,10 @@ class SupervisedRanks:
 
     # one rank
     def send(self, rank: int, msg_type: str, content: dict, metadata: dict | None = None,
-             buffers: list | None = None, expect_reply: bool = True) -> tuple[str, asyncio.Future | None]:
+             buffers: list | None = None, expect_reply: bool = True,
+             header: tuple[str, bytes] | None = None) -> tuple[str, asyncio.Future | None]:
         return self.sup.channel(rank).send(msg_type, content, metadata=metadata, buffers=buffers,
-                                           expect_reply=expect_reply)
+                                           expect_reply=expect_reply, header=header)
 
     def listen(self, rank: int, msg_id: str, handler: IOPubHandler) -> None:
         """The last ``RECENT`` requests per rank stay routed, so output a background thread
@@ -230,6 +238,13 @@ class SupervisedRanks:
             r = self.sup.ranks.get(old_rank)
             if r is not None and r.channel is not None:
                 r.channel.unlisten(old_id)
+
+    def listen_all(self, msg_id: str, handler: Callable[[int, dict], None]) -> None:
+        """The last ``RECENT`` cells stay routed, as :meth:`listen`'s requests."""
+        self.sup.routes[msg_id] = handler
+        self._routed.append(msg_id)
+        while len(self._routed) > RECENT:
+            self.sup.routes.pop(self._routed.popleft(), None)
 
     async def shell_request(self, rank: int, msg_type: str, content: dict, timeout: float = 10.0) -> dict:
         return await self.sup.channel(rank).shell_request(msg_type, content, timeout)

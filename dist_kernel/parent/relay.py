@@ -83,6 +83,7 @@ class OutputRelay:
         self._expected: dict[int, int] = {}  # rank -> IOPub messages its reply says it published
         self._got: dict[int, int] = {}  # rank -> IOPub messages received for this request
         self._last_flush = 0.0
+        self._settle_soon = False  # a settle of the merger is scheduled for the end of this turn
         self._done: asyncio.Future | None = None  # resolved when every rank is finished
         self._all_finished = False
         self._timer: asyncio.TimerHandle | None = None
@@ -123,18 +124,45 @@ class OutputRelay:
                 for late_type, late_content in self.merger.late(rank, msg_type, content, len(self.world) > 1):
                     self.publish(late_type, late_content)
                 return
-            self.merger.add(rank, msg_type, content, self.clock(), msg.get("sent"))
-            if self.merger.ready and self.clock() - self._last_flush >= MIN_FLUSH:
-                self.flush()  # publish at once, but not more often than MIN_FLUSH
+            try:
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            self.merger.add(rank, msg_type, content, self.clock(), msg.get("sent"), settle=loop is None)
+            if loop is None:
+                self._settled()
+            elif not self._settle_soon:
+                # what else arrives in this turn of the loop (a node's turn: its ranks' outputs)
+                # is added first, and the merger settles once for all of it
+                self._settle_soon = True
+                loop.call_soon(self._settle)
+
+    def _settle(self) -> None:
+        self._settle_soon = False
+        if not self.closed:
+            self.merger.settle(self.clock())
+            self._settled()
+
+    def _settled(self) -> None:
+        if self.merger.ready and self.clock() - self._last_flush >= MIN_FLUSH:
+            self.flush()  # publish at once, but not more often than MIN_FLUSH
 
     def on_reply(self, rank: int, content: dict, metadata: dict | None = None) -> None:
-        published = protocol.meta_of(metadata).get(protocol.META_IOPUB)
-        if isinstance(published, int) and not isinstance(published, bool):
-            self._expected[rank] = published
-        self.replies[rank] = content
-        self._replied_at[rank] = self.clock()
-        self.merger.rank_replied(rank, content, self.clock())
-        self._check(rank)
+        self.on_replies([(rank, content, metadata)])
+
+    def on_replies(self, replies: list[tuple[int, dict, dict | None]]) -> None:
+        """Several ranks' replies (rank, content, metadata) that arrived together (a node's
+        summary): the merger settles once for them all, not once per rank."""
+        now = self.clock()
+        for rank, content, metadata in replies:
+            published = protocol.meta_of(metadata).get(protocol.META_IOPUB)
+            if isinstance(published, int) and not isinstance(published, bool):
+                self._expected[rank] = published
+            self.replies[rank] = content
+            self._replied_at[rank] = now
+            self.merger.rank_replied(rank, content, now, settle=False)
+            self._check(rank, settle=False)
+        self.merger.settle(now)
 
     def set_error(self, rank: int, error: dict) -> None:
         """``error`` (an ``error`` content) is ``rank``'s part of the request's error, whatever
@@ -150,13 +178,14 @@ class OutputRelay:
         self.idle.add(rank)
         self._check(rank)
 
-    def _check(self, rank: int) -> None:
+    def _check(self, rank: int, settle: bool = True) -> None:
         if rank in self.finished or rank not in self.replies:
             return
         if rank in self.idle or self._got.get(rank, 0) >= self._expected.get(rank, 1 << 62):
             self.finished.add(rank)
-            self.finished_at[rank] = self.clock()
-            self.merger.rank_done(rank, self.clock())
+            now = self.clock()
+            self.finished_at[rank] = now
+            self.merger.rank_done(rank, now, settle=settle)
             if len(self.finished) == len(self.ranks):
                 self._all_finished = True
                 if self._done is not None and not self._done.done():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import random
@@ -32,6 +33,7 @@ from dist_kernel.parent import limits
 from dist_kernel.parent.channels import RankChannel
 from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit, settle_for
 from dist_kernel.parent.launch import RankHandle, make_gang_launcher
+from dist_kernel.parent.magics import format_ranks
 from dist_kernel.processes import state_words
 
 LOG_TAIL_LINES = 30
@@ -88,6 +90,8 @@ class RankSupervisor:
                  extra_argv: list[str] | None = None, on_note: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.on_unrouted = on_unrouted
+        #: msg_id -> the handler of a request sent to many ranks (a cell): (rank, IOPub message)
+        self.routes: dict[str, Callable[[int, dict], None]] = {}
         self.on_stdin = on_stdin or (lambda rank, msg: None)
         self.on_death = on_death
         self.on_stopped = on_stopped or (lambda rank, state: None)
@@ -140,6 +144,10 @@ class RankSupervisor:
             self.start_error = str(e) if isinstance(e, (RankStartError, ConfigError)) else f"{type(e).__name__}: {e}"
         if self.start_error:
             await self.shutdown(now=True)
+        else:
+            # what start-up made lives as long as the kernel: out of the collector's way, so that the
+            # collections that a cell's per-rank objects set off do not walk it each time
+            gc.freeze()
         self.ready.set()
 
     async def _start(self) -> None:
@@ -189,7 +197,8 @@ class RankSupervisor:
         async def alive() -> bool:
             return await process.poll() is None and not process.exit_reason()
 
-        channel = RankChannel(rank, connection, self.log, self.on_unrouted, self.on_stdin, wire=wire, alive=alive)
+        channel = RankChannel(rank, connection, self.log, self.on_unrouted, self.on_stdin, wire=wire, alive=alive,
+                              routes=self.routes)
         channel.start()
         r.channel = channel
         try:
@@ -406,9 +415,15 @@ class RankSupervisor:
         asyncio.ensure_future(self.launcher.stop(now=True))
 
     def _rank_states(self) -> str:
-        words = [f"rank {r.rank} ({r.where}) {r.exit_reason or state_words(r.process.os_state())}"
-                 for r in self.ranks.values()]
-        return ("; ".join(words) + ". ") if words else ""
+        states = {r.rank: r.exit_reason or state_words(r.process.os_state()) for r in self.ranks.values()}
+        if len(states) > 8:  # many ranks: grouped by state, one line however many there are
+            by_state: dict[str, list[int]] = {}
+            for rank, state in states.items():
+                by_state.setdefault(state, []).append(rank)
+            groups = sorted(by_state.items(), key=lambda kv: min(kv[1]))
+            return "; ".join(f"rank {format_ranks(ranks)} {state}" for state, ranks in groups) + ". "
+        each = [f"rank {r.rank} ({r.where}) {states[r.rank]}" for r in self.ranks.values()]
+        return ("; ".join(each) + ". ") if each else ""
 
     # ------------------------------------------------------------ control
     async def interrupt(self, ranks: list[int]) -> None:
@@ -456,3 +471,4 @@ class RankSupervisor:
         except subprocess.TimeoutExpired:
             self._reaper.kill()
             self._reaper.wait()
+

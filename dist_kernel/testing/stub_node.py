@@ -62,7 +62,7 @@ class StubNode:
         self.ranks: dict[int, StubRank] = {}
         self.exits: dict[int, int] = {}
         self.signer = tunnel.Signer(boot.rank_keys)
-        self.out: list[tuple[bytes, bytes, list[bytes]]] = []  # what the ranks said this turn
+        self.turn = tunnel.Turn(self.signer)  # what the ranks said this turn, as the real agent sends it
         self.beaten: dict[int, tuple] = {}  # each rank's state as the last beat told the parent
         self.sampling = False  # the parent's beats ask for loads (%dist_top): a beat each time then
         self.stdin_closed = threading.Event()
@@ -85,16 +85,15 @@ class StubNode:
 
     def flush(self) -> None:
         """What the ranks said since the last flush, as one batch (as the real agent does per turn)."""
-        if self.out:
-            out, self.out = self.out, []
-            self.sock.send_multipart(tunnel.batch(out))
+        for frames in self.turn.pack(self.boot.hmac_key):
+            self.sock.send_multipart(frames)
 
     def start_ranks(self) -> None:
         boot = self.boot
         for local in range(boot.ranks_per_node):
             rank = rank_of(self.node, local, boot.ranks_per_node)
-            def send(channel: bytes, frames: list[bytes], rank_id: bytes = str(rank).encode()) -> None:
-                self.out.append((rank_id, channel, frames))
+            def send(channel: bytes, frames: list[bytes], rank: int = rank) -> None:
+                self.turn.add(rank, channel, frames)
 
             self.ranks[rank] = StubRank(rank, boot.world_size, boot.rank_keys[str(rank)].encode(), self.host,
                                         os.getpid(), send, self._exited, self.timers, self.behaviour)

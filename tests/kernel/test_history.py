@@ -2,7 +2,7 @@
 
 Every rank writing the user's one ``history.sqlite`` made N ranks take turns on its lock. Rank 0
 keeps the file; the other ranks keep their history in memory, where ``_``, ``_i`` and
-``%history`` still work.
+``%history`` still work. matplotlib's per-user font cache is written once and then only read.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ def _files_under(pid: int, root: Path) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_at_8_ranks_only_rank_0_writes_the_users_history_and_every_rank_keeps_its_own(tmp_path: Path) -> None:
-    ipython_dir = tmp_path / "ipython"
-    k = DistKernel("--ranks", str(RANKS), "--oversubscribe", "on", env={"IPYTHONDIR": str(ipython_dir)},
-                   ready_timeout=120)
+    ipython_dir, mpl_dir = tmp_path / "ipython", tmp_path / "matplotlib"
+    k = DistKernel("--ranks", str(RANKS), "--oversubscribe", "on",
+                   env={"IPYTHONDIR": str(ipython_dir), "MPLCONFIGDIR": str(mpl_dir)}, ready_timeout=120)
     try:
         assert k.execute("hist_probe = 41", timeout=240).status == "ok"
         assert k.execute("hist_probe + 1").status == "ok"
@@ -53,6 +53,16 @@ def test_at_8_ranks_only_rank_0_writes_the_users_history_and_every_rank_keeps_it
         assert len(pids) == RANKS
         holders = {pid: _files_under(pid, ipython_dir) for pid in pids}
         assert sum(1 for files in holders.values() if files) == 1, holders
+
+        # matplotlib's per-user font cache is made once (the first import), then only read: cells
+        # that plot write nothing of the user's that the ranks would take turns on
+        plot = "import matplotlib\nmatplotlib.use('agg')\nimport matplotlib.pyplot as plt\nplt.plot([rank]); plt.close('all')"
+        assert k.execute(plot, timeout=240).status == "ok"
+        written = {p: p.stat().st_mtime_ns for p in mpl_dir.rglob("*") if p.is_file()}
+        assert written, "matplotlib made no font cache under MPLCONFIGDIR"
+        for _ in range(3):
+            assert k.execute(plot).status == "ok"
+        assert {p: p.stat().st_mtime_ns for p in mpl_dir.rglob("*") if p.is_file()} == written
     finally:
         k.shutdown()
 

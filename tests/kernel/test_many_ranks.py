@@ -86,3 +86,17 @@ def test_the_stop_button_ends_the_cell_on_every_rank(k: DistKernel) -> None:
     assert stopped and res.status == "error", res.explain()
     assert error_of(res)["ename"] == "KeyboardInterrupt", res.explain()
     assert k.execute("x = 1", timeout=60).status == "ok"
+
+
+def test_512_ranks_on_this_machine_start_and_answer_through_one_agent() -> None:
+    # one node agent holds the 512 ranks' channels: the parent opens one connection, not 2,048
+    # sockets, and never meets ZMQ's socket limit or the open-file limit
+    kernel = DistKernel("--launcher", "stub", "--nodes", "1", "--ranks-per-node", "512")
+    try:
+        res = kernel.execute("print(rank)", timeout=120)
+        assert res.status == "ok", res.explain()
+        assert res.stream() == "".join(f"[rank {r}] {r}\n" for r in range(512))
+        assert kernel.execute("fail_on(511)", timeout=60).status == "error"
+        assert kernel.execute("x = 1", timeout=60).status == "ok"
+    finally:
+        kernel.shutdown()

@@ -14,6 +14,7 @@ the group is torn down, or running until interrupted).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,7 +72,7 @@ class FakeRanks:
     async def start(self) -> None:
         self.ready.set()
 
-    def send(self, rank, msg_type, content, metadata=None, buffers=None, expect_reply=True):
+    def send(self, rank, msg_type, content, metadata=None, buffers=None, expect_reply=True, header=None):
         if rank in self._dead:
             raise RankDiedError(f"rank {rank} {self._dead[rank]}")
         msg_id = f"r{rank}_{next(self._ids)}"
@@ -84,6 +85,10 @@ class FakeRanks:
 
     def listen(self, rank, msg_id, handler) -> None:
         self._listeners[msg_id] = handler
+
+    def listen_all(self, msg_id, handler) -> None:
+        rank = next(r for r, _, m in self.msg_ids if m == msg_id)
+        self._listeners[msg_id] = functools.partial(handler, rank)
 
     async def where(self, rank):
         if self._stopped.get(rank):

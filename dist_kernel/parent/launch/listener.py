@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.auth.thread
 
-from dist_kernel import tunnel
+from dist_kernel import protocol, tunnel
 from dist_kernel.exceptions import RankStartError
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.channels import pending, zmq_fd
@@ -89,6 +89,8 @@ class AgentListener:
         self.nodes: dict[int, Node] = {}
         #: rank -> where its channel takes its frames (channel name, frames)
         self._wires: dict[int, Callable[[str, list[bytes]], None]] = {}
+        #: rank -> where its channel takes a message its agent checked and decoded (a summary)
+        self._checked: dict[int, Callable[[str, dict], None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._beat: asyncio.TimerHandle | None = None
         self._closed = False
@@ -122,11 +124,14 @@ class AgentListener:
         self._tick()
 
     # ------------------------------------------------------- a remote rank's wire
-    def attach(self, rank: int, deliver: Callable[[str, list[bytes]], None]) -> None:
+    def attach(self, rank: int, deliver: Callable[[str, list[bytes]], None],
+               checked: Callable[[str, dict], None]) -> None:
         self._wires[rank] = deliver
+        self._checked[rank] = checked
 
     def detach(self, rank: int) -> None:
         self._wires.pop(rank, None)
+        self._checked.pop(rank, None)
 
     def send_parts(self, rank: int, channel: str, header: bytes, shared: list[bytes]) -> None:
         """One Jupyter message to a rank, unsigned (its agent signs it), sent at the end of this
@@ -274,6 +279,48 @@ class AgentListener:
             return e.errno != zmq.EHOSTUNREACH
         return True
 
+    def _outputs(self, index: int, frames: list[bytes]) -> None:
+        """IOPub messages of a node's ranks that its agent checked and joined: one decode for all."""
+        try:
+            entries = tunnel.unpack_out(self.keys["hmac_key"], frames)
+        except tunnel.TunnelError as e:
+            self.log.warning("listener: node %d: %s", index, e)
+            return
+        node = self.nodes.get(index)
+        if node is not None:
+            node.last_heard = time.monotonic()
+        per_node = self.config.ranks_per_node
+        for entry in entries:
+            try:
+                rank, header, parent, metadata, content = entry
+                take = self._checked.get(rank) if rank // per_node == index else None  # its own ranks only
+            except (ValueError, TypeError):
+                self.log.warning("listener: node %d: a malformed output entry", index)
+                continue
+            if take is not None:
+                take("iopub", {"header": header, "parent_header": parent, "metadata": metadata, "content": content,
+                               "buffers": []})
+
+    def _replies(self, index: int, frames: list[bytes]) -> None:
+        """A node's summary of its ranks' cell replies: each group decoded once, handed to each
+        of its ranks as the reply message (one object, read-only downstream)."""
+        try:
+            groups = tunnel.unpack_replies(self.keys["hmac_key"], frames)
+        except tunnel.TunnelError as e:
+            self.log.warning("listener: node %d: %s", index, e)
+            return
+        node = self.nodes.get(index)
+        if node is not None:
+            node.last_heard = time.monotonic()
+        for msg_id, content, meta, ranks in groups:
+            msg = {"header": {"msg_type": "execute_reply"}, "msg_id": "", "msg_type": "execute_reply",
+                   "parent_header": {"msg_id": msg_id}, "metadata": {protocol.META: meta} if meta else {},
+                   "content": content, "buffers": []}
+            for rank in ranks:
+                take = self._checked.get(rank) if rank // self.config.ranks_per_node == index else None
+                if take is not None:
+                    take("shell", msg)
+
     def _drain_after_send(self) -> None:
         self._drain_soon = False
         self._drain()
@@ -297,6 +344,12 @@ class AgentListener:
                 deliver = self._wires.get(int(rank))
                 if deliver is not None and name in tunnel.CHANNELS:
                     deliver(name.decode(), msg)
+            return
+        if kind == tunnel.SUMMARY:
+            self._replies(index, rest)
+            return
+        if kind == tunnel.OUT:
+            self._outputs(index, rest)
             return
         if kind == tunnel.MSG and len(rest) >= 2:
             node = self.nodes.get(index)

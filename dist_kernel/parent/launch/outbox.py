@@ -26,6 +26,8 @@ class _Run:
         self.headers: list[tuple[int, bytes]] = []
 
     def takes(self, channel: bytes, shared: list[bytes]) -> bool:
+        if shared is self.shared:  # one cell's frames, packed once for all its ranks
+            return channel == self.channel
         if channel != self.channel or len(shared) != len(self.shared):
             return False
         # the same objects when one request went to many ranks (packed once): no comparison

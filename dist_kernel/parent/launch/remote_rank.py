@@ -15,7 +15,8 @@ from dist_kernel.processes import describe_exit
 class AgentListener(Protocol):
     """What a remote rank needs of :class:`~dist_kernel.parent.launch.remote.AgentListener`."""
 
-    def attach(self, rank: int, deliver: Callable[[str, list[bytes]], None]) -> None: ...
+    def attach(self, rank: int, deliver: Callable[[str, list[bytes]], None],
+               checked: Callable[[str, dict], None]) -> None: ...
     def detach(self, rank: int) -> None: ...
     def send_parts(self, rank: int, channel: str, header: bytes, shared: list[bytes]) -> None: ...
     def send_ctl(self, node: int, event: dict) -> None: ...
@@ -40,8 +41,8 @@ class RemoteWire:
     def connect(self, identity: bytes) -> None:
         """Nothing to connect: the agent's sockets on the node carry the identity it gives them."""
 
-    def open(self, deliver: Callable[[str, list[bytes]], None]) -> None:
-        self.listener.attach(self.rank, deliver)
+    def open(self, deliver: Callable[[str, list[bytes]], None], checked: Callable[[str, dict], None]) -> None:
+        self.listener.attach(self.rank, deliver, checked)
 
     def send(self, channel: str, header: bytes, shared: list[bytes], sign: Callable[[list[bytes]], bytes]) -> None:
         """Unsigned: the rank's node agent signs it with the rank's key (``sign`` is not needed)."""

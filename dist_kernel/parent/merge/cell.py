@@ -67,9 +67,11 @@ class CellMerger(Aligner):
         self._capturing: dict[int, set[Hashable]] = {}  # rank -> the Output widgets it captures into now
 
     # ----------------------------------------------------------------- input
-    def add(self, rank: int, msg_type: str, content: dict, now: float, sent: float | None = None) -> None:
+    def add(self, rank: int, msg_type: str, content: dict, now: float, sent: float | None = None,
+            settle: bool = True) -> None:
         """Feed one IOPub output of ``rank``, which arrived ``now`` and was sent at ``sent``
-        (the parent's clock; default: now)."""
+        (the parent's clock; default: now). ``settle=False``: more follow at once (a node's
+        turn), and :meth:`settle` after them publishes what they let go."""
         self._hear(rank, now, sent)
         if msg_type == "stream" and "metadata" in content:
             self._add_marked_stream(rank, content, now)
@@ -94,7 +96,8 @@ class CellMerger(Aligner):
             # the widget's loop still meets its twins; its twins (every rank clearing) go out once
             self._push(rank, Item("clear_output", ("clear_output", bool(content.get("wait"))), content, now,
                                   branch=rank in self._capturing and len(self.ranks) > 1))
-        self._drain(now)
+        if settle:
+            self._drain(now)
 
     def add_in_order(self, rank: int, msg_type: str, content: dict, now: float) -> None:
         """Feed a message that is never merged or labelled but must reach the frontend in its
@@ -115,16 +118,22 @@ class CellMerger(Aligner):
         self._push(rank, Item(msg_type, ("in_order", rank, id(content)), content, now, in_order=True))
         self._drain(now)
 
-    def rank_replied(self, rank: int, reply: dict, now: float) -> None:
-        """``rank``'s ``execute_reply`` content arrived: it decides the rank's status and error."""
+    def rank_replied(self, rank: int, reply: dict, now: float, settle: bool = True) -> None:
+        """``rank``'s ``execute_reply`` content arrived: it decides the rank's status and error.
+        ``settle=False``: many ranks' at once, :meth:`settle` follows them."""
         failed = reply.get("status") == "error"
         if failed:
             self.errors.setdefault(rank, {k: reply.get(k) for k in ("ename", "evalue", "traceback")})
         self._reply_error[rank] = error_key(reply) if failed else None
         self._resolve_errors(rank)
+        if settle:
+            self._drain(now)
+
+    def settle(self, now: float) -> None:
+        """Publish what the ranks' replies or ends let go (after calls with ``settle=False``)."""
         self._drain(now)
 
-    def rank_done(self, rank: int, now: float) -> None:
+    def rank_done(self, rank: int, now: float, settle: bool = True) -> None:
         """``rank`` will send nothing more for this cell."""
         if rank not in self._chunks:  # its chunk, if any, still waits for its twins
             self._split_chunks(now)
@@ -134,7 +143,8 @@ class CellMerger(Aligner):
         self._flush_partials(rank, now, force=True)
         self._resolve_errors(rank, final=True)
         self._mark_done(rank)
-        self._drain(now)
+        if settle:
+            self._drain(now)
 
     def poll(self, now: float) -> None:
         """Let waiting items and unfinished lines time out."""
@@ -166,6 +176,9 @@ class CellMerger(Aligner):
         """The cell is over: publish everything still held."""
         self._split_chunks(now)
         for rank in self.ranks:
+            if rank in self._done and rank not in self._held and not any(
+                    p.text for p in self._partials.get(rank, {}).values()):
+                continue  # rank_done did all this, and nothing came after
             self._drop_last_cr(rank)
             self._flush_partials(rank, now, force=True)
             self._resolve_errors(rank, final=True)

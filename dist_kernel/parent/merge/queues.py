@@ -7,7 +7,7 @@ the number of ranks (issue 26)."""
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Hashable, Iterable, Sequence
 
 from dist_kernel.parent.merge.units import ITEM_COST, Item
@@ -50,8 +50,10 @@ class RankQueues:
     max_pending: int
 
     def _init_queues(self, ranks: Sequence[int]) -> None:
-        self._queues: dict[int, deque[Item]] = {r: deque() for r in ranks}
-        self._counts: dict[int, dict[Hashable, int]] = {r: {} for r in ranks}
+        # made on a rank's first item: most cells leave most ranks' queues empty, and a cell's
+        # merger outlives it a while (late output): no per-rank objects for the collector to walk
+        self._queues: dict[int, deque[Item]] = defaultdict(deque)
+        self._counts: dict[int, dict[Hashable, int]] = defaultdict(dict)
         self._holders: dict[Hashable, int] = {}  # key -> ranks that have it queued
         self._heads: dict[Hashable, int] = {}  # key -> ranks whose next item it is
         self._heads_at: dict[tuple[int, Hashable], int] = {}  # (place, key) -> unfinished ranks, likewise
@@ -82,7 +84,7 @@ class RankQueues:
         self._mark: dict[int, int] = {}
         self._bumps: dict[int, int] = {}
         self._bumps_key: dict[tuple[int, Hashable], int] = {}
-        self._recent: dict[int, OrderedDict[Hashable, int]] = {r: OrderedDict() for r in ranks}
+        self._recent: dict[int, OrderedDict[Hashable, int]] = defaultdict(OrderedDict)
         self._recent_by_key: dict[Hashable, dict[int, int]] = {}  # key -> {rank: place} of _recent
         self._index: dict[int, int] = {r: i for i, r in enumerate(ranks)}  # rank -> its place in self.ranks
 
@@ -119,7 +121,7 @@ class RankQueues:
 
     def _after(self, rank: int) -> None:
         """``rank``'s head or place changed: count it again where it is now."""
-        queue, place = self._queues[rank], self._place[rank]
+        queue, place = self._queues.get(rank), self._place[rank]
         if queue:
             self._queued.add(rank)
             self._idle.discard(rank)

@@ -1,0 +1,91 @@
+"""What a node's ranks say reaches the parent in few frames (issue 26): the agent checks each
+message with its rank's key, joins IOPub messages into one frame per turn, summarises the cells'
+replies by what they say, and never changes the order of one rank's messages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from jupyter_client.session import Session
+
+from dist_kernel import tunnel
+
+HMAC = "tunnel-key"
+KEYS = {str(r): f"key{r}" for r in range(4)}
+
+
+def message(rank: int, msg_type: str, content: dict, parent: str = "cell-1", metadata: dict | None = None,
+            key: str | None = None, buffers: tuple[bytes, ...] = ()) -> list[bytes]:
+    """A rank's message as its socket hands it to the agent: signed with the rank's own key."""
+    session = Session(key=(key or KEYS[str(rank)]).encode())
+    header = json.dumps({"msg_id": f"{rank}-{msg_type}", "msg_type": msg_type, "date": "2026-11-27T10:00:00Z"})
+    parts = [header.encode(), json.dumps({"msg_id": parent}).encode(), json.dumps(metadata or {}).encode(),
+             json.dumps(content).encode()]
+    return [tunnel.DELIM, session.sign(parts), *parts, *buffers]
+
+
+def frames_of(turn: tunnel.Turn) -> list[tuple[bytes, object]]:
+    """The turn's frame sets, decoded as the parent decodes them."""
+    out: list[tuple[bytes, object]] = []
+    for frames in turn.pack(HMAC):
+        kind, rest = frames[0], frames[1:]
+        if kind == tunnel.OUT:
+            out.append((kind, [(e[0], e[1]["msg_type"], e[3]) for e in tunnel.unpack_out(HMAC, rest)]))
+        elif kind == tunnel.SUMMARY:
+            out.append((kind, tunnel.unpack_replies(HMAC, rest)))
+        else:
+            out.append((kind, [(int(r), ch) for r, ch, _ in tunnel.unbatch(rest)]))
+    return out
+
+
+def test_outputs_are_joined_and_the_replies_of_ranks_that_agree_are_one_entry_after_them() -> None:
+    turn = tunnel.Turn(tunnel.Signer(KEYS))
+    ok = {"status": "ok", "execution_count": 3, "user_expressions": {}, "payload": []}
+    for rank in range(4):
+        turn.add(rank, b"iopub", [b"topic", *message(rank, "stream", {"name": "stdout", "text": f"{rank}\n"})])
+        # ipykernel's own metadata differs per rank (engine, started): only dist_kernel's part counts
+        meta = {"engine": f"e{rank}", "dist_kernel": {"iopub": 1}}
+        turn.add(rank, b"shell", message(rank, "execute_reply", ok if rank != 2 else {**ok, "status": "error"},
+                                         metadata=meta))
+    assert frames_of(turn) == [
+        (tunnel.OUT, [(r, "stream", {}) for r in range(4)]),
+        (tunnel.SUMMARY, [("cell-1", ok, {"iopub": 1}, [0, 1, 3]),
+                          ("cell-1", {**ok, "status": "error"}, {"iopub": 1}, [2])]),
+    ]
+    assert turn.pack(HMAC) == []  # a packed turn is empty
+
+
+def test_a_ranks_messages_keep_their_order_across_what_travels_joined_and_what_travels_as_it_came() -> None:
+    turn = tunnel.Turn(tunnel.Signer(KEYS))
+    turn.add(0, b"iopub", [b"t", *message(0, "stream", {"name": "stdout", "text": "before\n"})])
+    turn.add(0, b"iopub", [b"t", *message(0, "comm_msg", {"data": {}}, buffers=(b"binary",))])  # buffers: raw
+    turn.add(0, b"stdin", message(0, "input_request", {"prompt": "?"}))
+    turn.add(0, b"iopub", [b"t", *message(0, "stream", {"name": "stdout", "text": "after\n"})])
+    assert [kind for kind, _ in frames_of(turn)] == [tunnel.OUT, tunnel.BATCH, tunnel.OUT]
+
+
+def test_a_message_that_does_not_verify_travels_as_it_came_for_the_parent_to_drop() -> None:
+    turn = tunnel.Turn(tunnel.Signer(KEYS))
+    forged = message(1, "stream", {"name": "stdout", "text": "x\n"}, key="not-rank-1s-key")
+    turn.add(1, b"iopub", [b"t", *forged])
+    turn.add(1, b"shell", message(1, "execute_reply", {"status": "ok"}, key="not-rank-1s-key"))
+    assert frames_of(turn) == [(tunnel.BATCH, [(1, b"iopub"), (1, b"shell")])]
+
+
+@pytest.mark.parametrize("unpack", [tunnel.unpack_out, tunnel.unpack_replies])
+def test_joined_frames_signed_with_another_key_are_refused(unpack) -> None:
+    turn = tunnel.Turn(tunnel.Signer(KEYS))
+    turn.add(0, b"iopub", [b"t", *message(0, "stream", {"name": "stdout", "text": "x\n"})])
+    turn.add(0, b"shell", message(0, "execute_reply", {"status": "ok"}))
+    packed = {f[0]: f[1:] for f in turn.pack("another kernel's key")}
+    with pytest.raises(tunnel.TunnelError):
+        unpack(HMAC, packed[tunnel.OUT if unpack is tunnel.unpack_out else tunnel.SUMMARY])
+
+
+def test_a_cell_with_one_header_for_all_its_ranks_sends_that_header_once() -> None:
+    shared = [b"{}", b"{}", b'{"code": "x = 1"}']
+    header = b'{"msg_id": "cell"}'
+    frames = tunnel.fan(b"shell", [(r, header) for r in range(64)], shared)
+    assert frames.count(header) == 1 and len(frames) == 5 + len(shared)
+    assert tunnel.unfan(frames[1:]) == (b"shell", [(r, header) for r in range(64)], shared)
