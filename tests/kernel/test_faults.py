@@ -107,7 +107,10 @@ def test_a_long_collective_every_rank_is_in_is_not_cut_short(fault_kernel):
     # rank 0 waits 5 s (past the 2 s grace) for rank 1, which is busy, not idle
     res = fault_kernel.execute("if rank == 1:\n    time.sleep(5)\nt = torch.ones(1)\ndist.all_reduce(t)\n"
                                "print(int(t.item()))", timeout=60)
-    assert res.status == "ok" and res.stream() == "2\n"
+    assert res.status == "ok", res.explain()
+    # both ranks summed: shown once, or (a rank starved of CPU past the merge window, as beside two
+    # other test workers on 2 cores) once per rank, labelled; never cut short
+    assert res.stream() in ("2\n", "[rank 0] 2\n[rank 1] 2\n"), res.explain()
 
 
 def test_a_long_computation_in_a_single_rank_cell_is_left_alone(fault_kernel):
