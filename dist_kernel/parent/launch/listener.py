@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.auth.thread
@@ -279,21 +280,30 @@ class AgentListener:
             return e.errno != zmq.EHOSTUNREACH
         return True
 
-    def _outputs(self, index: int, frames: list[bytes]) -> None:
-        """IOPub messages of a node's ranks that its agent checked and joined: one decode for all."""
+    def _heard_from(self, index: int, unpack: Callable[[str, list[bytes]], Any], frames: list[bytes]) -> Any:
+        """A node's joined frame (``out`` or ``sum``) checked and decoded by ``unpack``; None,
+        logged, when it does not verify."""
         try:
-            entries = tunnel.unpack_out(self.keys["hmac_key"], frames)
+            decoded = unpack(self.keys["hmac_key"], frames)
         except tunnel.TunnelError as e:
             self.log.warning("listener: node %d: %s", index, e)
-            return
+            return None
         node = self.nodes.get(index)
         if node is not None:
             node.last_heard = time.monotonic()
-        per_node = self.config.ranks_per_node
-        for entry in entries:
+        return decoded
+
+    def _taker(self, index: int, rank: int) -> Callable[[str, dict], None] | None:
+        """Where a checked message of ``rank`` goes, when node ``index`` holds that rank (an agent
+        speaks for its own ranks only)."""
+        return self._checked.get(rank) if rank // self.config.ranks_per_node == index else None
+
+    def _outputs(self, index: int, frames: list[bytes]) -> None:
+        """IOPub messages of a node's ranks that its agent checked and joined: one decode for all."""
+        for entry in self._heard_from(index, tunnel.unpack_out, frames) or ():
             try:
                 rank, header, parent, metadata, content = entry
-                take = self._checked.get(rank) if rank // per_node == index else None  # its own ranks only
+                take = self._taker(index, rank)
             except (ValueError, TypeError):
                 self.log.warning("listener: node %d: a malformed output entry", index)
                 continue
@@ -304,20 +314,12 @@ class AgentListener:
     def _replies(self, index: int, frames: list[bytes]) -> None:
         """A node's summary of its ranks' cell replies: each group decoded once, handed to each
         of its ranks as the reply message (one object, read-only downstream)."""
-        try:
-            groups = tunnel.unpack_replies(self.keys["hmac_key"], frames)
-        except tunnel.TunnelError as e:
-            self.log.warning("listener: node %d: %s", index, e)
-            return
-        node = self.nodes.get(index)
-        if node is not None:
-            node.last_heard = time.monotonic()
-        for msg_id, content, meta, ranks in groups:
+        for msg_id, content, meta, ranks in self._heard_from(index, tunnel.unpack_replies, frames) or ():
             msg = {"header": {"msg_type": "execute_reply"}, "msg_id": "", "msg_type": "execute_reply",
                    "parent_header": {"msg_id": msg_id}, "metadata": {protocol.META: meta} if meta else {},
                    "content": content, "buffers": []}
             for rank in ranks:
-                take = self._checked.get(rank) if rank // self.config.ranks_per_node == index else None
+                take = self._taker(index, rank)
                 if take is not None:
                     take("shell", msg)
 
