@@ -237,18 +237,34 @@ def unfan(frames: list[bytes]) -> tuple[bytes, list[tuple[int, bytes]], list[byt
 
 class Signer:
     """Signs Jupyter messages for the ranks of one node, each with its own key (the agent's
-    side of :func:`fan`)."""
+    side of :func:`fan`), and checks what the ranks send back (:class:`Turn`)."""
 
     def __init__(self, rank_keys: dict[str, str]) -> None:
         self._macs = {int(r): hmac.new(k.encode(), digestmod=hashlib.sha256) for r, k in rank_keys.items()}
 
+    def _signature(self, rank: int, parts: list[bytes]) -> bytes:
+        """Jupyter's signature of a message of ``rank``: over header, parent header, metadata, content."""
+        mac = self._macs[rank].copy()
+        for part in parts[:4]:
+            mac.update(part)
+        return mac.hexdigest().encode()
+
     def message(self, rank: int, header: bytes, shared: list[bytes]) -> list[bytes]:
         """The frames a rank's socket takes: the delimiter, the signature, the message."""
-        mac = self._macs[rank].copy()
-        mac.update(header)
-        for part in shared[:3]:
-            mac.update(part)
-        return [DELIM, mac.hexdigest().encode(), header, *shared]
+        return [DELIM, self._signature(rank, [header, *shared[:3]]), header, *shared]
+
+    def verified(self, rank: int, frames: list[bytes]) -> list[bytes] | None:
+        """The header, parent header, metadata and content of a message of ``rank`` (its frames
+        as the rank's socket gave them) when its signature is the rank's and it carries no
+        buffers; None otherwise (it then travels as it came, and the parent judges it)."""
+        try:
+            i = frames.index(DELIM)
+        except ValueError:
+            return None
+        if rank not in self._macs or len(frames) != i + 6:  # buffers (a widget's binary state) travel raw
+            return None
+        parts = frames[i + 2:i + 6]
+        return parts if hmac.compare_digest(self._signature(rank, parts), frames[i + 1]) else None
 
 
 class Turn:
@@ -259,7 +275,7 @@ class Turn:
     share a frame set, and a change of kind starts the next."""
 
     def __init__(self, signer: Signer) -> None:
-        self._macs = signer._macs
+        self.signer = signer
         self.replies = Replies(signer)
         self._runs: list[tuple[bytes, list]] = []  # (OUT or BATCH, its entries), in order
 
@@ -275,19 +291,10 @@ class Turn:
 
     def _checked(self, rank: int, frames: list[bytes]) -> bytes | None:
         """The message as one JSON entry, once its signature verifies; None: it travels as it came."""
-        try:
-            i = frames.index(DELIM)
-        except ValueError:
-            return None
-        mac = self._macs.get(rank)
-        if mac is None or len(frames) != i + 6:  # buffers (a widget's binary state) travel raw
-            return None
-        mac = mac.copy()
-        for part in frames[i + 2:i + 6]:
-            mac.update(part)
-        if not hmac.compare_digest(mac.hexdigest().encode(), frames[i + 1]):
+        parts = self.signer.verified(rank, frames)
+        if parts is None:
             return None  # the parent drops it, with a warning
-        header, parent, metadata, content = frames[i + 2:i + 6]
+        header, parent, metadata, content = parts
         return b"[%d,%s,%s,%s,%s]" % (rank, header, parent, metadata, content)
 
     def pack(self, key: str) -> list[list[bytes]]:
@@ -306,18 +313,24 @@ class Turn:
         return out
 
 
-def unpack_out(key: str, frames: list[bytes]) -> list[list]:
-    """An ``out`` frame set's entries (after the ``out`` frame): [rank, header, parent header,
-    metadata, content]. Raises :class:`TunnelError`."""
+def _joined(key: str, frames: list[bytes], what: str) -> list:
+    """The JSON list of a joined frame set (``out``, ``sum``: payload, signature) once it
+    verifies with the tunnel key. Raises :class:`TunnelError` naming ``what``."""
     if len(frames) != 2 or not hmac.compare_digest(sign(key, frames[0]), frames[1]):
-        raise TunnelError("an output frame's signature does not verify")
+        raise TunnelError(f"{what}'s signature does not verify")
     try:
         entries = json.loads(frames[0])
     except ValueError:
-        raise TunnelError("a malformed output frame") from None
+        raise TunnelError(f"{what} is malformed") from None
     if not isinstance(entries, list):
-        raise TunnelError("a malformed output frame")
+        raise TunnelError(f"{what} is malformed")
     return entries
+
+
+def unpack_out(key: str, frames: list[bytes]) -> list[list]:
+    """An ``out`` frame set's entries (after the ``out`` frame): [rank, header, parent header,
+    metadata, content]. Raises :class:`TunnelError`."""
+    return _joined(key, frames, "an output frame")
 
 
 class Replies:
@@ -327,35 +340,25 @@ class Replies:
     metadata (the only part of the metadata the parent reads)."""
 
     def __init__(self, signer: Signer) -> None:
-        self._macs = signer._macs
+        self.signer = signer
         self._groups: dict[tuple[str, bytes, str], list[int]] = {}
 
     def take(self, rank: int, channel: bytes, frames: list[bytes]) -> bool:
         """True when the message is an execute_reply, now held for :meth:`pack`."""
-        if channel != b"shell":
+        parts = self.signer.verified(rank, frames) if channel == b"shell" else None
+        if parts is None:
+            return False
+        header, parent, metadata, content = parts
+        if b'"execute_reply"' not in header:  # other shell replies (kernel_info, completion) as they came
             return False
         try:
-            i = frames.index(DELIM)
-        except ValueError:
-            return False
-        if len(frames) != i + 6 or b'"execute_reply"' not in frames[i + 2]:
-            return False
-        mac = self._macs.get(rank)
-        if mac is None:
-            return False
-        mac = mac.copy()
-        for part in frames[i + 2:i + 6]:
-            mac.update(part)
-        if not hmac.compare_digest(mac.hexdigest().encode(), frames[i + 1]):
-            return False
-        try:
-            if json.loads(frames[i + 2]).get("msg_type") != "execute_reply":
+            if json.loads(header).get("msg_type") != "execute_reply":
                 return False
-            msg_id = json.loads(frames[i + 3])["msg_id"]
-            meta = json.loads(frames[i + 4]).get("dist_kernel")
+            msg_id = json.loads(parent)["msg_id"]
+            meta = json.loads(metadata).get("dist_kernel")
         except (ValueError, KeyError, TypeError, AttributeError):
             return False
-        key = (str(msg_id), frames[i + 5], json.dumps(meta, sort_keys=True) if meta else "")
+        key = (str(msg_id), content, json.dumps(meta, sort_keys=True) if meta else "")
         self._groups.setdefault(key, []).append(rank)
         return True
 
@@ -373,14 +376,12 @@ class Replies:
 def unpack_replies(key: str, frames: list[bytes]) -> list[tuple[str, dict, dict | None, list[int]]]:
     """A ``sum`` frame set's groups (after the ``sum`` frame): (the request's msg_id, the reply
     content, dist_kernel's metadata or None, the ranks). Raises :class:`TunnelError`."""
-    if len(frames) != 2 or not hmac.compare_digest(sign(key, frames[0]), frames[1]):
-        raise TunnelError("a summary frame's signature does not verify")
+    entries = _joined(key, frames, "a summary frame")
     try:
-        entries = json.loads(frames[0])
         return [(str(m), c, meta, [int(r) for r in ranks]) for m, c, meta, ranks in entries
                 if isinstance(c, dict) and (meta is None or isinstance(meta, dict))]
     except (ValueError, TypeError):
-        raise TunnelError("a malformed summary") from None
+        raise TunnelError("a summary frame is malformed") from None
 
 
 def batch(messages: list[tuple[bytes, bytes, list[bytes]]]) -> list[bytes]:

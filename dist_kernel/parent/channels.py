@@ -110,10 +110,13 @@ def shared_header(msg_type: str) -> tuple[str, bytes]:
     with ``header``): its msg_id is the same on each rank, which answers on channels of its own.
     Its node's agent then fans out one header, and groups the ranks' replies by it (tunnel.py)."""
     msg_id = f"{_SHARED_SESSION}_{next(_shared_ids)}"
-    header = {"msg_id": msg_id, "msg_type": msg_type, "username": os.environ.get("USER", "username"),
-              "session": _SHARED_SESSION, "version": _PROTOCOL_VERSION,
-              "date": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
-    return msg_id, json.dumps(header).encode()
+    return msg_id, json.dumps(_header(msg_id, msg_type, os.environ.get("USER", "username"), _SHARED_SESSION)).encode()
+
+
+def _header(msg_id: str, msg_type: str, username: str, session: str) -> dict:
+    """A request's Jupyter header, dated now."""
+    return {"msg_id": msg_id, "msg_type": msg_type, "username": username, "session": session,
+            "version": _PROTOCOL_VERSION, "date": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
 
 
 class SendClock:
@@ -161,8 +164,8 @@ class Wire(Protocol):
     def open(self, deliver: Callable[[str, list[bytes]], None], checked: Callable[[str, dict], None]) -> None:
         """From now on, hand every incoming message (its channel's name, its frames) to
         ``deliver``, on the running event loop; a message that its node agent checked already
-        and sends decoded (a cell's reply, in a summary of its node's replies: tunnel.py) to
-        ``checked``."""
+        and sends decoded (an IOPub message in a joined ``out`` frame, a cell's reply in a ``sum``
+        of its node's replies: tunnel.py) to ``checked``."""
 
     def send(self, channel: str, header: bytes, shared: list[bytes], sign: Callable[[list[bytes]], bytes]) -> None:
         """One message to the rank on ``channel`` (shell, control or stdin): its packed header,
@@ -357,9 +360,7 @@ class RankChannel:
               buffers: list | None = None, packed: bytes | None = None) -> None:
         session = self.session
         if packed is None:
-            packed = session.pack({"msg_id": msg_id, "msg_type": msg_type, "username": session.username,
-                                   "session": session.session, "version": _PROTOCOL_VERSION,
-                                   "date": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")})
+            packed = session.pack(_header(msg_id, msg_type, session.username, session.session))
         if msg_type == "execute_request":
             shared = _packed_once(session, metadata, content, buffers)
         else:
