@@ -114,6 +114,7 @@ class CellRun:
         self.interrupted_at: float | None = None
         self.signalled: dict[int, float] = {}  # rank -> when it was last sent SIGINT
         self.group_broken = False  # the process group was torn down during this cell
+        self.torn_down_at: float | None = None  # when that teardown was confirmed (or given up on)
         self.notes: list[str] = []  # lines appended to the cell's error, if any
         self.reply_metadata: dict[int, dict] = {}  # rank -> its execute_reply's metadata
         self._arrived: list[tuple[int, dict]] = []  # replies not yet handed to the relay
@@ -200,7 +201,7 @@ class CellRun:
             ranks=self.ranks, world=self.world, busy=tuple(self.busy_ranks), dead=tuple(self.dead()),
             started=self.started, first_finished=min(relay.finished_at.values(), default=None),
             errored=errored, interrupted_at=self.interrupted_at, hang_grace=self.spec.hang_grace,
-            torn_down=self.group_broken, debug_stopped=self.debug_stopped() if self.debug_stopped else ())
+            torn_down=self.group_broken, torn_down_at=self.torn_down_at, debug_stopped=self.debug_stopped() if self.debug_stopped else ())
 
     def dead(self) -> list[int]:
         """The ranks of the group whose process is gone."""
@@ -260,6 +261,7 @@ class CellRun:
                         list(verdict.stuck))
             self.group_broken = True
             failed = await via.teardown(verdict.teardown_on)
+            self.torn_down_at = self.clock()
             if failed:
                 self.notice(f"rank {format_ranks(failed)} did not confirm tearing the process group down; "
                             "ranks blocked with it may stay blocked: press stop, or restart the kernel.",

@@ -80,7 +80,9 @@ from dist_kernel.protocol import Pending, Place
 
 #: after a finished rank failed, or after an interrupt, how long others may stay busy
 FAST_GRACE = 1.0
-#: after an interrupt and a teardown, how long a rank may stay busy before the cell ends without it
+#: after an interrupt, and after a teardown that followed it, how long a rank may stay busy
+#: before the cell ends without it (counted from the later of the two: on a loaded machine the
+#: teardown itself may take seconds, and the ranks it frees need a moment to raise)
 GIVE_UP_AFTER = 5.0
 #: how long a rank whose code has stopped may take to report it (IPython formats the traceback:
 #: about 0.2 s on an idle machine, seconds with a load of 4 on 2 cores)
@@ -117,6 +119,7 @@ class Cell:
     interrupted_at: float | None = None
     hang_grace: float = 10.0
     torn_down: bool = False  # the group was torn down during this cell
+    torn_down_at: float | None = None  # when that teardown was confirmed
     #: idle ranks' default-group collective counts, as a look found them
     idle_seqs: dict[int, int] = field(default_factory=dict)
     #: ranks stopped at a breakpoint of JupyterLab's debugger (rule 7)
@@ -210,7 +213,7 @@ class Judge:
 
     def _after_interrupt(self, cell: Cell, busy: list[int], found: dict[int, Place], now: float) -> Verdict:
         assert cell.interrupted_at is not None
-        if now - cell.interrupted_at >= GIVE_UP_AFTER:
+        if now - max(cell.interrupted_at, cell.torn_down_at or 0.0) >= GIVE_UP_AFTER:
             # a rank whose code stopped and that is only showing its traceback is waited for
             late = now - cell.interrupted_at >= REPORT_WITHIN
             running = [r for r in busy if late or not (r in found and not found[r].in_code)]

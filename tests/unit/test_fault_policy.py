@@ -309,6 +309,15 @@ def test_an_interrupt_during_a_teardown_waits_for_the_ranks_to_raise_then_gives_
     assert v.action == "abandon" and set(v.stuck) == {0, 1}
 
 
+def test_a_slow_teardown_after_an_interrupt_gives_the_freed_ranks_their_time_from_the_teardown():
+    # CI, 2 cores under load: the teardown was confirmed 4 s after the stop; the rank it freed
+    # was still raising a second later, and was called "did not stop"
+    c = cell(busy=(0,), first_finished=10.5, interrupted_at=10.0, torn_down=True, torn_down_at=14.0)
+    assert Judge().judge(c, {0: COMPUTING}, now=15.5).action == "wait"
+    v = Judge().judge(c, {0: COMPUTING}, now=19.0)
+    assert v.action == "abandon" and list(v.stuck) == [0] and "did not stop" in v.stuck[0]
+
+
 def test_an_interrupted_rank_that_is_still_computing_is_given_time_then_left_behind():
     c = cell(busy=(1,), first_finished=10.2, interrupted_at=10.0)
     assert Judge().judge(c, {1: COMPUTING}, now=12.0).action == "wait"
