@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default benchmarks/results)")
     p.add_argument("--ranks", default=None, help="comma list of rank counts (default 1,2,4,8; quick 2)")
     p.add_argument("--no-peers", action="store_true", help="skip ipyparallel and nbdistributed")
+    p.add_argument("--no-cluster", action="store_true",
+                   help="skip section 8 even where the cluster lab is up (it then reads \"not run\")")
     p.add_argument("--from-json", default=None, help="only redraw the table and chart from a results.json")
     p.add_argument("--only", choices=["idle", "cluster", "lightning", "hf", "torch"], default=None,
                    help="run one section alone: idle (issue 12), cluster (issue 13), lightning (issue 21: a Lightning "
@@ -268,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                 plain.shutdown()
         if not a.only and not a.no_peers:
             run_peers(cfg, res)
-        if a.only in (None, "cluster"):
+        if a.no_cluster and a.only is None:
+            res["cluster"] = {"error": "not run: --no-cluster"}
+        elif a.only in (None, "cluster"):
             cluster.run(cfg, res)  # section 8: on the lab's two nodes, or "not run: <why>"
         res["meta"]["duration_s"] = time.perf_counter() - t0
     return _write(res, out_dir, stem, from_json=bool(a.from_json))

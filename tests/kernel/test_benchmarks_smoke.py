@@ -17,13 +17,14 @@ pytest.importorskip("psutil")
 
 
 @pytest.mark.slow
-@pytest.mark.lab  # section 8 runs on the cluster lab where it is up
-@pytest.mark.timeout(420)  # ~2 min, +1.5 min for section 8 where the cluster lab is up
+@pytest.mark.timeout(420)  # ~2 min
 def test_quick_benchmark_writes_table_and_chart(tmp_path: Path) -> None:
     out = tmp_path / "results"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=410)
+    # section 8 runs on the cluster lab, which this lane leaves to the cluster lane (running beside
+    # it): tests/cluster/test_cluster_benchmark.py checks that section measured
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--no-cluster", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=410)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     sys.path.insert(0, str(ROOT))
@@ -46,27 +47,7 @@ def test_quick_benchmark_writes_table_and_chart(tmp_path: Path) -> None:
             assert key in d, f"{key} missing at {n} ranks"
         assert "error" not in d["thr"], d["thr"]
     _check_idle(res)
-    _check_cluster(res, md)
-
-
-def _check_cluster(res: dict, md: str) -> None:
-    """Section 8: measured on the lab's two nodes, or "not run: <why>" (always measured where the
-    cluster tests are required, i.e. in CI, which brings the lab up first)."""
-    c = res["cluster"]
-    if "error" in c:
-        assert c["error"].startswith("not run: "), c["error"]
-        assert os.environ.get("DIST_KERNEL_CLUSTER_TESTS") != "required", c["error"]
-        assert c["error"] in md
-        return
-    ssh = c["launchers"]["ssh"]
-    assert "error" not in ssh, ssh["error"]
-    for key in ("startup", "rt", "local_rt", "lat", "train"):
-        assert key in ssh, f"{key} missing for the ssh kernel"
-    assert ssh["hosts"] == "[rank 0] n1\n[rank 1] n2\n", ssh["hosts"]  # it really ran on the two nodes
-    for side in ("kernel", "torchrun"):  # DDP across the nodes, in the kernel and under torchrun --nnodes 2
-        assert ssh["train"][side].get("world_size") == 2, ssh["train"]
-        assert c["local"]["train"][side].get("world_size") == 2, c["local"]["train"]
-    assert "| ssh, 2 nodes x 1 rank |" in md and "torchrun --nnodes 2" in md
+    assert res["cluster"] == {"error": "not run: --no-cluster"} and "not run: --no-cluster" in md
 
 
 def _check_idle(res: dict) -> None:
