@@ -201,7 +201,8 @@ class CellRun:
             ranks=self.ranks, world=self.world, busy=tuple(self.busy_ranks), dead=tuple(self.dead()),
             started=self.started, first_finished=min(relay.finished_at.values(), default=None),
             errored=errored, interrupted_at=self.interrupted_at, hang_grace=self.spec.hang_grace,
-            torn_down=self.group_broken, torn_down_at=self.torn_down_at, debug_stopped=self.debug_stopped() if self.debug_stopped else ())
+            torn_down=self.group_broken, torn_down_at=self.torn_down_at,
+            debug_stopped=self.debug_stopped() if self.debug_stopped else ())
 
     def dead(self) -> list[int]:
         """The ranks of the group whose process is gone."""

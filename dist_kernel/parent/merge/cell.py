@@ -176,8 +176,7 @@ class CellMerger(Aligner):
         """The cell is over: publish everything still held."""
         self._split_chunks(now)
         for rank in self.ranks:
-            if rank in self._done and rank not in self._held and not any(
-                    p.text for p in self._partials.get(rank, {}).values()):
+            if rank in self._done and rank not in self._held and rank not in self._unfinished:
                 continue  # rank_done did all this, and nothing came after
             self._drop_last_cr(rank)
             self._flush_partials(rank, now, force=True)
