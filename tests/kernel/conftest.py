@@ -67,10 +67,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    cluster = CLUSTER.relative_to(Path(config.rootpath).resolve()).as_posix()  # node ids start from the rootdir
+
     class SlowLanes(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.startswith("tests/cluster/"):  # node ids are relative to the rootdir
-                return "tests/cluster"
+            if nodeid.startswith(cluster + "/"):
+                return cluster
             return super()._split_scope(nodeid)
 
     config.option.loadscopereorder = False
