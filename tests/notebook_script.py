@@ -17,6 +17,11 @@ from pathlib import Path
 import nbformat
 
 KERNEL_ONLY = "kernel-only"
+#: how a script under torchrun ends, as torch asks: a process that exits with its group still up
+#: can abort in the group's destructor ("terminate called without an active exception", seen
+#: with the Transformers Trainer under torch 2.14 after the script's last line had run)
+END_OF_SCRIPT = ("\nimport torch.distributed as _dist\n"
+                 "if _dist.is_initialized():\n    _dist.barrier()\n    _dist.destroy_process_group()\n")
 
 
 def script_of(notebook: Path) -> str:
@@ -32,7 +37,7 @@ def torchrun(notebook: Path, nproc: int, workdir: Path, env: dict[str, str] | No
     """Run ``notebook``'s script under ``torchrun --standalone --nproc-per-node nproc`` in ``workdir``,
     with the environment the kernel gives its CPU ranks (``ACCELERATE_USE_CPU``, one thread each)."""
     script = workdir / (notebook.stem + ".py")
-    script.write_text(script_of(notebook))
+    script.write_text(script_of(notebook) + END_OF_SCRIPT)
     full = {**os.environ, "ACCELERATE_USE_CPU": "true", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), **(env or {})}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
