@@ -207,12 +207,23 @@ def fan(channel: bytes, headers: list[tuple[int, bytes]], shared: list[bytes]) -
     header, metadata, content and buffers, the same for every rank. When every rank has the same
     header (a cell: ``channels.shared_header``) it travels once, after the list of ranks."""
     first = headers[0][1] if headers else b""
-    if len(headers) > 1 and all(h is first or h == first for _, h in headers):
-        return [FAN, channel, b"*", ",".join(str(r) for r, _ in headers).encode(), first, *shared]
+    if len(headers) > 1 and len({h for _, h in headers}) == 1:  # bytes keep their hash: one pass in C
+        return fan_one_header(channel, rank_list([r for r, _ in headers]), first, shared)
     frames = [FAN, channel, str(len(headers)).encode()]
     for rank, header in headers:
         frames += [str(rank).encode(), header]
     return frames + shared
+
+
+def rank_list(ranks: list[int]) -> bytes:
+    """The ranks of a one-header :func:`fan` message, as they travel."""
+    return ",".join([str(r) for r in ranks]).encode()
+
+
+def fan_one_header(channel: bytes, ranks: bytes, header: bytes, shared: list[bytes]) -> list[bytes]:
+    """:func:`fan` of one header to several ranks (``ranks``: :func:`rank_list`), made once by a
+    caller that sends the same ranks again and again (a cell to a node's ranks)."""
+    return [FAN, channel, b"*", ranks, header, *shared]
 
 
 def unfan(frames: list[bytes]) -> tuple[bytes, list[tuple[int, bytes]], list[bytes]]:

@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
@@ -150,6 +151,18 @@ class SendClock:
         return wall + self._offset
 
 
+@dataclass
+class Routes:
+    """The handlers of requests sent to many ranks at once (a cell, with one shared header),
+    shared by the ranks' channels: one entry per request, not one per rank (issue 26)."""
+
+    #: msg_id -> the handler of its IOPub messages, called with the rank
+    iopub: dict[str, Callable[[int, dict], None]] = field(default_factory=dict)
+    #: msg_id -> the handler of its replies, called with the ranks that sent that same reply:
+    #: one rank on this machine, or a node's group (its agent's summary, listener.py), at once
+    replies: dict[str, Callable[[list[int], dict], None]] = field(default_factory=dict)
+
+
 class BadMessage(ValueError):
     """A message that is unsigned, wrongly signed, replayed or malformed: dropped."""
 
@@ -264,13 +277,13 @@ class RankChannel:
     where its sockets are, unless ``wire`` says how to reach them). ``alive``: whether the rank
     process still runs, asked while waiting for it to start (default: assume so). ``routes``:
     handlers of requests sent to many ranks at once (a cell: one handler for all its ranks,
-    called with the rank), shared by the ranks' channels.
+    for its IOPub and for its replies), shared by the ranks' channels.
     """
 
     def __init__(self, rank: int, connection: dict, log: logging.Logger,
                  on_unrouted: Callable[[int, dict], None], on_stdin: Callable[[int, dict], None],
                  wire: Wire | None = None, alive: Callable[[], Awaitable[bool]] | None = None,
-                 routes: dict[str, Callable[[int, dict], None]] | None = None) -> None:
+                 routes: Routes | None = None) -> None:
         self.rank = rank
         self.log = log
         self._on_unrouted = on_unrouted
@@ -286,7 +299,7 @@ class RankChannel:
         self._ids = itertools.count()
         self._id_prefix = f"{self.session.session}_{os.getpid()}"
         self._listeners: dict[str, IOPubHandler] = {}
-        self._routes = routes if routes is not None else {}
+        self._routes = routes if routes is not None else Routes()
         self._pending: dict[str, asyncio.Future] = {}
         self._handlers: dict[str, Callable[[dict], None]] = {
             "iopub": self._on_iopub, "shell": self._resolve_shell, "control": self._resolve, "stdin": self._route_stdin}
@@ -489,7 +502,7 @@ class RankChannel:
         body = content()
         if msg_type == "status" and (body.get("execution_state") != "idle"
                                      or (parent.get("msg_id") not in self._listeners
-                                         and parent.get("msg_id") not in self._routes)):
+                                         and parent.get("msg_id") not in self._routes.iopub)):
             return None
         return {"header": header, "msg_id": header["msg_id"], "msg_type": msg_type, "parent_header": parent,
                 "metadata": metadata(), "content": body, "buffers": buffers, "sent": sent}
@@ -500,7 +513,7 @@ class RankChannel:
         if handler is not None:
             handler(msg)
             return
-        route = self._routes.get(parent_id) if parent_id is not None else None
+        route = self._routes.iopub.get(parent_id) if parent_id is not None else None
         if route is not None:
             route(self.rank, msg)
         else:
@@ -512,8 +525,22 @@ class RankChannel:
             fut.set_result(msg)
 
     def _resolve_shell(self, msg: dict) -> None:
-        if not self._replies_held:
+        if self._replies_held:
+            return
+        route = self._routes.replies.get(msg["parent_header"].get("msg_id"))
+        if route is not None:  # a cell's reply: to the cell's run, with no future per rank
+            route([self.rank], msg)
+        else:
             self._resolve(msg)
+
+    @property
+    def takes_replies(self) -> bool:
+        """Are its replies handed on (the rank is not being declared gone, the kernel not closing)?"""
+        return not (self._replies_held or self.closing)
+
+    def cell_frames(self, content: dict, metadata: dict | None) -> list[bytes]:
+        """The frames after the header of a cell's execute_request, packed once for all its ranks."""
+        return _packed_once(self.session, metadata, content, None)
 
     def hold_replies(self) -> None:
         """Shell replies from now on are not handed on: the rank is about to be declared gone

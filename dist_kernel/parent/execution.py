@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -24,7 +23,6 @@ from typing import TYPE_CHECKING
 from dist_kernel import protocol
 from dist_kernel.exceptions import ErrorName, RankDiedError, RankStoppedError, error_content
 from dist_kernel.parent import fault_policy
-from dist_kernel.parent.channels import shared_header
 from dist_kernel.parent.magics import format_ranks
 from dist_kernel.parent.relay import Outlet, OutputRelay
 
@@ -116,8 +114,10 @@ class CellRun:
         self.group_broken = False  # the process group was torn down during this cell
         self.torn_down_at: float | None = None  # when that teardown was confirmed (or given up on)
         self.notes: list[str] = []  # lines appended to the cell's error, if any
-        self.reply_metadata: dict[int, dict] = {}  # rank -> its execute_reply's metadata
-        self._arrived: list[tuple[int, dict]] = []  # replies not yet handed to the relay
+        #: what the ranks' execute_replies said (dist_kernel's metadata), a group of ranks with one
+        #: same reply at a time (a node's summary): read once per group, not once per rank
+        self.said: list[tuple[list[int], dict]] = []
+        self._arrived: list[tuple[list[int], dict]] = []  # replies not yet handed to the relay, with their ranks
         self.noticed: set[tuple] = set()  # kernel notices already shown in this cell
         self._last_look: float | None = None
         self._looking: asyncio.Task | None = None
@@ -130,43 +130,35 @@ class CellRun:
     # --------------------------------------------------------------- send
     def start(self, content: dict, metadata: dict) -> list[str]:
         """Send the execute request to every rank of the cell (one header for all: each node's
-        agent then groups its ranks' replies); the msg_ids sent, each once."""
-        sent = []
-        header = shared_header("execute_request")
-        for rank in self.ranks:
-            try:
-                msg_id, fut = self.via.send(rank, "execute_request", content, metadata=metadata, header=header)
-            except RankDiedError as e:
-                self.on_rank_lost(rank, RankDiedError, str(e))
-                continue
-            sent.append(msg_id)
-            assert fut is not None
-            fut.add_done_callback(functools.partial(self._replied, rank))
-            if self.via.stopped(rank):
+        agent then groups its ranks' replies, which arrive here a group at a time); the msg_ids
+        sent, each once. A rank that dies before it replies ends through :meth:`on_rank_died`."""
+        sent, lost = self.via.send_cell(self.ranks, content, metadata, self._replied)
+        for rank, why in lost.items():
+            self.on_rank_lost(rank, RankDiedError, why)
+        for rank in self.via.stopped_ranks():
+            if rank in self.ranks and rank not in lost:
                 self.notice_stopped(rank)
-        sent = list(dict.fromkeys(sent))
         for msg_id in sent:
             self.via.listen_all(msg_id, self.relay.on_iopub)
         return sent
 
-    def _replied(self, rank: int, fut: asyncio.Future) -> None:
-        """A rank's execute_reply message arrived (or its channel failed: it died)."""
-        if fut.cancelled():
-            return
-        exc = fut.exception()
-        if exc is not None:
-            self.on_rank_lost(rank, RankDiedError, str(exc), respawn_hint([rank]))
-            return
-        self._arrived.append((rank, fut.result()))
-        if len(self._arrived) == 1:  # the replies that arrive in this turn (a node's summary), taken together
+    def _replied(self, ranks: list[int], msg: dict) -> None:
+        """The ranks' execute_reply message arrived (the same one for each: a node's group)."""
+        self._arrived.append((ranks, msg))
+        if len(self._arrived) == 1:  # the replies that arrive in this turn (each node's summary), taken together
             asyncio.get_running_loop().call_soon(self._take_replies)
 
     def _take_replies(self) -> None:
         arrived, self._arrived = self._arrived, []
-        for rank, msg in arrived:
-            self.reply_metadata[rank] = msg.get("metadata") or {}
-            self.group.left_running.discard(rank)
-        self.relay.on_replies([(rank, msg["content"], self.reply_metadata[rank]) for rank, msg in arrived])
+        groups: list[tuple[list[int], dict, dict | None]] = []
+        left_running = self.group.left_running
+        for ranks, msg in arrived:
+            metadata = msg.get("metadata") or {}
+            self.said.append((ranks, protocol.meta_of(metadata)))
+            groups.append((ranks, msg["content"], metadata))
+            if left_running:
+                left_running.difference_update(ranks)
+        self.relay.on_replies(groups)
 
     def on_rank_lost(self, rank: int, ename: ErrorName, evalue: str, hint: str = "") -> None:
         """A rank will never answer (it died): end its part of the cell with an error."""
@@ -206,14 +198,22 @@ class CellRun:
 
     def dead(self) -> list[int]:
         """The ranks of the group whose process is gone."""
-        return [r for r in self.world if not self.via.alive(r)]
+        return [r for r in self.via.gone() if r in self.world]
 
     def _maybe_look(self) -> None:
         """Look at the busy ranks when the fault policy says it is time."""
         if self._looking is not None and not self._looking.done():
             return
         now = self.clock()
-        if fault_policy.look_due(self.state(), now, self._last_look):
+        state = self.state()
+        gone = set(state.busy).intersection(state.dead)
+        for rank in sorted(gone):
+            # gone without the kernel hearing of it in this cell (it was exiting): never waited for
+            self.on_rank_lost(rank, RankDiedError, f"rank {rank} ({self.via.describe(rank)}) is gone",
+                              respawn_hint([rank]))
+        if gone:
+            state = self.state()
+        if fault_policy.look_due(state, now, self._last_look):
             self._last_look = now
             self._looking = asyncio.ensure_future(self._look())
 
@@ -323,14 +323,16 @@ class CellRun:
     def group_broke(self) -> bool:
         """Did a rank report that its process group broke during the cell, or are the ranks out
         of step after it (their collective sequence numbers differ)?"""
-        said = {r: protocol.meta_of(meta) for r, meta in self.reply_metadata.items()}
-        seqs = {r: m[protocol.META_SEQ] for r, m in said.items() if isinstance(m.get(protocol.META_SEQ), int)}
-        return any(m.get(protocol.META_GROUP_BROKEN) for m in said.values()) or fault_policy.out_of_step(
-            seqs, self.world)
+        if any(m.get(protocol.META_GROUP_BROKEN) for _, m in self.said):
+            return True
+        counted = [(ranks, m[protocol.META_SEQ]) for ranks, m in self.said if isinstance(m.get(protocol.META_SEQ), int)]
+        if len({seq for _, seq in counted}) < 2:
+            return False  # one sequence number (the common case): in step, whoever replied
+        return fault_policy.out_of_step({r: seq for ranks, seq in counted for r in ranks}, self.world)
 
     def destroyed(self) -> list[int]:
         """The ranks whose cell destroyed the process group (``dist.destroy_process_group()``)."""
-        return [r for r, meta in self.reply_metadata.items() if protocol.meta_of(meta).get(protocol.META_GROUP_DESTROYED)]
+        return [r for ranks, m in self.said if m.get(protocol.META_GROUP_DESTROYED) for r in ranks]
 
     async def _recover_group(self) -> None:
         """After a torn-down or broken group, form a fresh one on every rank (policy: after_cell)."""

@@ -30,7 +30,8 @@ EMPTY = ("its namespace is empty: run the cells that build what it needs (the mo
 
 
 def dead_ranks(sup: RankSupervisor) -> list[int]:
-    return [r for r, rk in sup.ranks.items() if not rk.alive]
+    # only a rank that died is not alive, and each death is recorded: no walk over every rank
+    return sorted(r for r in sup.deaths if (rk := sup.ranks.get(r)) is not None and not rk.alive)
 
 
 async def respawn(sup: RankSupervisor, ranks: Iterable[int] | None = None, auto: bool = False) -> list[int]:

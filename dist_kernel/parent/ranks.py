@@ -14,9 +14,14 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from dist_kernel import tunnel
+from dist_kernel.exceptions import RankDiedError
 from dist_kernel.parent import membership
+from dist_kernel.parent.channels import RankChannel, shared_header
+from dist_kernel.parent.launch.remote_rank import AgentListener, RemoteWire
 from dist_kernel.processes import state_words
 
 if TYPE_CHECKING:
@@ -39,6 +44,13 @@ class CellRanks(Protocol):
         """Send a shell request to a rank: its msg_id and the future of its reply message.
         ``header``: one shared by every rank the request goes to (``channels.shared_header``).
         Raises :class:`~dist_kernel.exceptions.RankDiedError` when the rank is gone."""
+
+    def send_cell(self, ranks: tuple[int, ...], content: dict, metadata: dict,
+                  on_replies: Callable[[list[int], dict], None]) -> tuple[list[str], dict[int, str]]:
+        """Send a cell's ``execute_request`` to ``ranks``; their reply messages go to
+        ``on_replies`` with the ranks that sent each (a node's ranks at once, issue 26). A rank
+        that dies before it replies is reported to the kernel (``on_rank_death``), not here.
+        Returns the msg_ids sent (each once) and the ranks it could not be sent to, with why."""
 
     def listen(self, rank: int, msg_id: str, handler: IOPubHandler) -> None:
         """Route the rank's IOPub messages for request ``msg_id`` to ``handler``."""
@@ -65,6 +77,12 @@ class CellRanks(Protocol):
 
     def alive(self, rank: int) -> bool:
         """Is the rank's process still there?"""
+
+    def gone(self) -> list[int]:
+        """The ranks whose process is gone, in order (one call per cell, not one per rank)."""
+
+    def stopped_ranks(self) -> list[int]:
+        """The ranks stopped now (SIGSTOP, a debugger), in order (one call per cell)."""
 
     def stopped(self, rank: int) -> str:
         """The OS state in words while the rank is stopped (SIGSTOP, a debugger); "" otherwise."""
@@ -142,13 +160,28 @@ class Ranks(CellRanks, Protocol):
         """End every rank now, from any thread (at exit)."""
 
 
+@dataclass
+class _SendPlan:
+    """How a cell goes to its ranks (:meth:`SupervisedRanks.send_cell`)."""
+
+    ranks: tuple[int, ...]
+    stamp: tuple[int, int, int]  # what it was made under (see SupervisedRanks._send_plan)
+    #: behind each node listener (there is one): each node and its ranks, as they travel
+    remote: dict[AgentListener, list[tuple[int, bytes]]] = field(default_factory=dict)
+    packer: RankChannel | None = None  # a remote rank's channel, which packs the cell's frames for all
+    each: list[int] = field(default_factory=list)  # sent one by one: on this machine, or gone
+
+
 class SupervisedRanks:
     """:class:`Ranks` over the real rank processes of a :class:`RankSupervisor`."""
 
     def __init__(self, supervisor: RankSupervisor) -> None:
         self.sup = supervisor
+        supervisor.launcher.on_replies = self._replied
         self._listening: deque[tuple[int, str]] = deque()  # (rank, msg_id) of recent requests
         self._routed: deque[str] = deque()  # msg_ids of recent cells (listen_all)
+        self._plan: _SendPlan | None = None  # how the last cell was sent (send_cell)
+        self._owed: dict[str, set[int]] = {}  # cell msg_id -> the ranks whose reply has not come
 
     # what the supervisor holds, as is
     @property
@@ -241,10 +274,99 @@ class SupervisedRanks:
 
     def listen_all(self, msg_id: str, handler: Callable[[int, dict], None]) -> None:
         """The last ``RECENT`` cells stay routed, as :meth:`listen`'s requests."""
-        self.sup.routes[msg_id] = handler
+        self.sup.routes.iopub[msg_id] = handler
+        self._routed_now(msg_id)
+
+    def _routed_now(self, msg_id: str) -> None:
+        """Keep the routes of the last ``RECENT`` cells (IOPub and replies). An older cell keeps
+        its reply route while a live rank still owes its reply (a rank the cell gave up on and
+        left running): that reply tells the group the rank is back, however late it comes."""
+        if self._routed and self._routed[-1] == msg_id:
+            return
         self._routed.append(msg_id)
+        routes = self.sup.routes
         while len(self._routed) > RECENT:
-            self.sup.routes.pop(self._routed.popleft(), None)
+            old = self._routed.popleft()
+            routes.iopub.pop(old, None)
+        if len(self._owed) > RECENT:
+            gone = set(self.gone())
+            for old in [m for m in list(self._owed)[:-RECENT] if not self._owed[m] - gone]:
+                routes.replies.pop(old, None)
+                del self._owed[old]
+
+    def send_cell(self, ranks: tuple[int, ...], content: dict, metadata: dict,
+                  on_replies: Callable[[list[int], dict], None]) -> tuple[list[str], dict[int, str]]:
+        """One header for every rank. A remote rank's request goes into its node's entry of the
+        listener's outbox with the others', in one call per listener; its node's agent groups
+        their replies, which :meth:`_replied` hands over whole."""
+        header = shared_header("execute_request")
+        owed = self._owed[header[0]] = set(ranks)  # the ranks whose reply has not come
+
+        def replied(ranks: list[int], msg: dict) -> None:
+            owed.difference_update(ranks)
+            on_replies(ranks, msg)
+
+        self.sup.routes.replies[header[0]] = replied
+        self._routed_now(header[0])
+        lost: dict[int, str] = {}
+        plan = self._send_plan(ranks)
+        known = self.sup.ranks
+        for rank in plan.each:
+            r = known.get(rank)
+            if r is None or r.channel is None:
+                lost[rank] = f"rank {rank} is not running"
+                continue
+            try:  # on this machine (or gone: send says why)
+                r.channel.send("execute_request", content, metadata=metadata, expect_reply=False, header=header)
+            except RankDiedError as e:
+                lost[rank] = str(e)
+        if plan.remote:
+            assert plan.packer is not None
+            frames = plan.packer.cell_frames(content, metadata)
+            for listener, nodes in plan.remote.items():
+                listener.send_to_nodes(nodes, "shell", header[1], frames)
+        owed.difference_update(lost)
+        return ([header[0]] if len(lost) < len(ranks) else []), lost
+
+    def _send_plan(self, ranks: tuple[int, ...]) -> _SendPlan:
+        """Which of ``ranks`` go through which node listener, and which are sent to one by one.
+        A kernel's cells mostly name the same ranks, so the plan is kept while nothing changed
+        that it depends on: the group's generation (a respawn or resize forms it again), the
+        rank count and the deaths."""
+        sup = self.sup
+        stamp = (sup.generation, len(sup.ranks), sum(map(len, sup.deaths.values())))
+        plan = self._plan
+        if plan is not None and plan.stamp == stamp and plan.ranks == ranks:
+            return plan
+        plan = self._plan = _SendPlan(ranks, stamp)
+        by_node: dict[AgentListener, dict[int, list[int]]] = {}
+        for rank in ranks:
+            r = sup.ranks.get(rank)
+            channel = r.channel if r is not None else None
+            if channel is not None and type(channel.wire) is RemoteWire and channel.dead is None \
+                    and not channel.closing:
+                by_node.setdefault(channel.wire.listener, {}).setdefault(sup.config.node_of(rank), []).append(rank)
+                plan.packer = channel
+            else:
+                plan.each.append(rank)
+        plan.remote = {listener: [(node, tunnel.rank_list(on_node)) for node, on_node in nodes.items()]
+                       for listener, nodes in by_node.items()}
+        return plan
+
+    def _replied(self, ranks: list[int], msg: dict) -> bool:
+        """A node agent's group of ranks with one same reply (the launcher's ``on_replies``): to
+        its cell's run at once, without the ranks being declared gone (``hold_replies``)."""
+        route = self.sup.routes.replies.get(msg["parent_header"].get("msg_id"))
+        if route is None:
+            return False
+        taken = ranks
+        if self.sup.holding_replies:  # a fault that takes every rank: its cause speaks for them
+            held = self.sup.ranks
+            taken = [r for r in ranks if (x := held.get(r)) is not None and x.channel is not None
+                     and x.channel.takes_replies]
+        if taken:
+            route(taken, msg)
+        return True
 
     async def shell_request(self, rank: int, msg_type: str, content: dict, timeout: float = 10.0) -> dict:
         return await self.sup.channel(rank).shell_request(msg_type, content, timeout)
@@ -255,6 +377,12 @@ class SupervisedRanks:
     def alive(self, rank: int) -> bool:
         r = self.sup.ranks.get(rank)
         return r is not None and r.alive
+
+    def gone(self) -> list[int]:
+        return membership.dead_ranks(self.sup)
+
+    def stopped_ranks(self) -> list[int]:
+        return sorted(r for r, x in self.sup.ranks.items() if x.stopped)
 
     def exit_reason(self, rank: int) -> str:
         r = self.sup.ranks.get(rank)

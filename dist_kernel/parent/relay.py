@@ -148,20 +148,28 @@ class OutputRelay:
             self.flush()  # publish at once, but not more often than MIN_FLUSH
 
     def on_reply(self, rank: int, content: dict, metadata: dict | None = None) -> None:
-        self.on_replies([(rank, content, metadata)])
+        self.on_replies([([rank], content, metadata)])
 
-    def on_replies(self, replies: list[tuple[int, dict, dict | None]]) -> None:
-        """Several ranks' replies (rank, content, metadata) that arrived together (a node's
-        summary): the merger settles once for them all, not once per rank."""
+    def on_replies(self, groups: list[tuple[list[int], dict, dict | None]]) -> None:
+        """Replies that arrived together, each group of ranks with one same reply (content,
+        metadata): a node's summary. Its metadata is read once per group, the ranks it
+        finishes are finished together, and the merger settles once for them all."""
         now = self.clock()
-        for rank, content, metadata in replies:
+        for ranks, content, metadata in groups:
             published = protocol.meta_of(metadata).get(protocol.META_IOPUB)
             if isinstance(published, int) and not isinstance(published, bool):
-                self._expected[rank] = published
-            self.replies[rank] = content
-            self._replied_at[rank] = now
-            self.merger.rank_replied(rank, content, now, settle=False)
-            self._check(rank, settle=False)
+                self._expected.update(dict.fromkeys(ranks, published))
+            else:
+                published = None  # not counted: each rank's idle ends it
+            self.replies.update(dict.fromkeys(ranks, content))
+            self._replied_at.update(dict.fromkeys(ranks, now))
+            self.merger.ranks_replied(ranks, content, now)
+            if published == 0:  # nothing to wait for (a quiet cell): every rank is complete
+                finished = self.finished
+                complete = [r for r in ranks if r not in finished]
+            else:
+                complete = [r for r in ranks if self._complete(r)]
+            self._finish(complete, now, settle=False)
         self.merger.settle(now)
 
     def set_error(self, rank: int, error: dict) -> None:
@@ -178,18 +186,26 @@ class OutputRelay:
         self.idle.add(rank)
         self._check(rank)
 
+    def _complete(self, rank: int) -> bool:
+        """Has the rank replied and sent all its output, and is not marked finished yet?"""
+        return rank not in self.finished and rank in self.replies and (
+            rank in self.idle or self._got.get(rank, 0) >= self._expected.get(rank, 1 << 62))
+
     def _check(self, rank: int, settle: bool = True) -> None:
-        if rank in self.finished or rank not in self.replies:
+        if self._complete(rank):
+            self._finish([rank], self.clock(), settle)
+
+    def _finish(self, ranks: list[int], now: float, settle: bool) -> None:
+        """These ranks are finished with the request (each complete)."""
+        if not ranks:
             return
-        if rank in self.idle or self._got.get(rank, 0) >= self._expected.get(rank, 1 << 62):
-            self.finished.add(rank)
-            now = self.clock()
-            self.finished_at[rank] = now
-            self.merger.rank_done(rank, now, settle=settle)
-            if len(self.finished) == len(self.ranks):
-                self._all_finished = True
-                if self._done is not None and not self._done.done():
-                    self._done.set_result(None)
+        self.finished.update(ranks)
+        self.finished_at.update(dict.fromkeys(ranks, now))
+        self.merger.ranks_done(ranks, now, settle=settle)
+        if len(self.finished) == len(self.ranks):
+            self._all_finished = True
+            if self._done is not None and not self._done.done():
+                self._done.set_result(None)
 
     # ------------------------------------------------------------- publish
     def flush(self, force: bool = False) -> None:

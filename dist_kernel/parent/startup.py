@@ -76,7 +76,10 @@ def unusable(ranks: Ranks) -> dict | None:
 def dead_in(ranks: Ranks, cell_ranks: tuple[int, ...]) -> dict | None:
     """The error of a cell that names a rank that has died (and was not started anew): the
     cell does not run; the survivors kept their variables, and cells on them alone still run."""
-    dead = [r for r in cell_ranks if not ranks.alive(r)]
+    gone = ranks.gone()
+    if not gone:
+        return None
+    dead = [r for r in cell_ranks if r in gone]
     if not dead:
         return None
     what = "; ".join(f"rank {r} ({ranks.describe(r)}) {ranks.exit_reason(r)}" for r in dead)

@@ -30,7 +30,7 @@ from dist_kernel.cleanup import kill_kernel_processes, make_runtime_dir, sweep
 from dist_kernel.exceptions import ConfigError, RankDiedError, RankRequestError, RankStartError
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent import limits
-from dist_kernel.parent.channels import RankChannel
+from dist_kernel.parent.channels import RankChannel, Routes
 from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit, settle_for
 from dist_kernel.parent.launch import RankHandle, make_gang_launcher
 from dist_kernel.parent.magics import format_ranks
@@ -90,8 +90,8 @@ class RankSupervisor:
                  extra_argv: list[str] | None = None, on_note: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.on_unrouted = on_unrouted
-        #: msg_id -> the handler of a request sent to many ranks (a cell): (rank, IOPub message)
-        self.routes: dict[str, Callable[[int, dict], None]] = {}
+        #: msg_id -> the handlers of a request sent to many ranks (a cell): its IOPub, its replies
+        self.routes = Routes()
         self.on_stdin = on_stdin or (lambda rank, msg: None)
         self.on_death = on_death
         self.on_stopped = on_stopped or (lambda rank, state: None)
@@ -397,6 +397,11 @@ class RankSupervisor:
                 if r.channel is not None:
                     r.channel.hold_replies()
             asyncio.get_running_loop().call_later(settle_for(cause), self._report_fault)
+
+    @property
+    def holding_replies(self) -> bool:
+        """Did a fault that takes every rank come (the ranks' replies are held: :meth:`_on_fault`)?"""
+        return bool(self._causes)
 
     def _report_fault(self) -> None:
         """Name the cause on the ranks it took, stop the survivors on every node: nothing is

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,6 +62,7 @@ class FakeRanks:
         self.respawned: list[int] = []
         self.sampling: list[bool] = []  # sample_remote's calls (%dist_top)
         self.inputs: list[tuple[int, str]] = []
+        self.groups: list[list[int]] = []  # the ranks of each reply group handed to a cell (send_cell)
         self._ids = itertools.count()
         self._dead: dict[int, str] = {}
         self._stopped: dict[int, str] = {}
@@ -82,6 +84,38 @@ class FakeRanks:
         if msg_type == "execute_request":
             asyncio.get_running_loop().call_soon(self._run, rank, msg_id, fut, content["code"])
         return msg_id, fut
+
+    def send_cell(self, ranks, content, metadata, on_replies):
+        """The ranks answer as one node agent's would: the replies that come in one turn of the
+        loop go to ``on_replies`` once per distinct reply, with the ranks that sent it. A rank
+        that dies is told to the kernel only (``die``)."""
+        sent, lost, turn = [], {}, []
+
+        def replied(rank, fut):
+            if fut.cancelled() or fut.exception() is not None:
+                return
+            turn.append((rank, fut.result()))
+            if len(turn) == 1:
+                asyncio.get_running_loop().call_soon(summary)
+
+        def summary():
+            groups: dict[str, tuple[list[int], dict]] = {}
+            for rank, msg in turn:
+                groups.setdefault(json.dumps([msg["content"], msg["metadata"]], sort_keys=True), ([], msg))[0].append(rank)
+            turn.clear()
+            self.groups.extend(ranks for ranks, _ in groups.values())
+            for ranks, msg in groups.values():
+                on_replies(ranks, msg)
+
+        for rank in ranks:
+            try:
+                msg_id, fut = self.send(rank, "execute_request", content, metadata)
+            except RankDiedError as e:
+                lost[rank] = str(e)
+                continue
+            sent.append(msg_id)
+            fut.add_done_callback(functools.partial(replied, rank))
+        return sent, lost
 
     def listen(self, rank, msg_id, handler) -> None:
         self._listeners[msg_id] = handler
@@ -126,6 +160,12 @@ class FakeRanks:
 
     def alive(self, rank: int) -> bool:
         return rank not in self._dead
+
+    def gone(self) -> list[int]:
+        return sorted(self._dead)
+
+    def stopped_ranks(self) -> list[int]:
+        return sorted(r for r, state in self._stopped.items() if state)
 
     def live(self) -> list[int]:
         return [r for r in range(self.config.world_size) if r not in self._dead]

@@ -4,11 +4,18 @@ a selection."""
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 from jupyter_client.session import Session
 
 from dist_kernel import protocol, tunnel
+from dist_kernel.options import KernelConfig
+from dist_kernel.parent.channels import RankChannel, Routes
 from dist_kernel.parent.launch.outbox import Outbox
+from dist_kernel.parent.launch.remote_rank import RemoteWire
+from dist_kernel.parent.ranks import RECENT, SupervisedRanks
 
 
 def test_a_cells_rank_list_is_read_only_when_well_formed() -> None:
@@ -76,3 +83,103 @@ def test_the_outbox_keeps_the_order_of_different_requests_to_a_node() -> None:
     box.put(0, 1, b"shell", b"h3", [b"{}", b"{}", b"{a}"])  # equal bytes, but after another request
     box.flush()
     assert [tunnel.unfan(f[1:])[1] for f in sent] == [[(0, b"h1")], [(1, b"h2")], [(1, b"h3")]]
+
+
+def test_a_request_put_for_many_ranks_at_once_travels_as_put_rank_by_rank() -> None:
+    # issue 26: a node's ranks are put in one call (a fan message made by the caller, put_fan, likewise)
+    def flushed(fill) -> list[tuple[int, list]]:
+        sent: list[tuple[int, list]] = []
+        box = Outbox(lambda node, frames: sent.append((node, frames)))
+        fill(box)
+        box.flush()
+        return sent
+
+    cell, header = [b"{}", b"{meta}", b"{cell}"], b"h-cell"
+
+    def one_by_one(box: Outbox) -> None:
+        for rank in range(8):
+            box.put(rank // 4, rank, b"shell", header, cell)
+
+    def together(box: Outbox) -> None:
+        for node in (0, 1):
+            box.put_many(node, b"shell", [(rank, header) for rank in range(node * 4, node * 4 + 4)], cell)
+
+    def made(box: Outbox) -> None:
+        for node in (0, 1):
+            box.put_fan(node, tunnel.fan_one_header(b"shell", tunnel.rank_list(list(range(node * 4, node * 4 + 4))),
+                                                    header, cell))
+
+    sent = flushed(together)
+    assert sent == flushed(one_by_one) == flushed(made)
+    # one header for all: it travels once per node, after the node's rank list
+    assert [frames[:5] for _, frames in sent] == [[tunnel.FAN, b"shell", b"*", b"0,1,2,3", header],
+                                                   [tunnel.FAN, b"shell", b"*", b"4,5,6,7", header]]
+
+
+class _Listener:
+    """A node listener as a remote rank's wire sees it; records the cells handed to it."""
+
+    def __init__(self) -> None:
+        self.cells: list[list[int]] = []  # each cell's ranks, node by node
+
+    def send_to_nodes(self, nodes: list[tuple[int, bytes]], channel: str, header: bytes, shared: list[bytes]) -> None:
+        self.cells.append([rank for _, ranks in nodes
+                           for rank, _ in tunnel.unfan([b"shell", b"*", ranks, header, *shared])[1]])
+
+    def attach(self, *args) -> None: ...
+    def detach(self, rank: int) -> None: ...
+    def send_parts(self, *args) -> None: ...
+    def send_ctl(self, *args) -> None: ...
+
+
+def _remote_ranks(n: int) -> tuple[SupervisedRanks, SimpleNamespace, _Listener]:
+    """``n`` remote ranks' real channels behind one listener, under a supervisor's state."""
+    listener = _Listener()
+    log = logging.getLogger("test")
+    ranks = {r: SimpleNamespace(channel=RankChannel(r, {"key": f"k{r}"}, log, lambda *a: None, lambda *a: None,
+                                                    wire=RemoteWire(listener, r)), exit_reason=None, alive=True)
+             for r in range(n)}
+    sup = SimpleNamespace(ranks=ranks, generation=1, deaths={}, routes=Routes(), launcher=SimpleNamespace(),
+                          holding_replies=False, config=KernelConfig(world_size=n, backend="gloo", nodes=2,
+                                                                 ranks_per_node=n // 2))
+    return SupervisedRanks(sup), sup, listener  # type: ignore[arg-type] - the supervisor's state, no processes
+
+
+def test_a_cell_goes_to_a_nodes_ranks_in_one_call_and_their_agreeing_replies_come_back_as_one_group() -> None:
+    ranks, sup, listener = _remote_ranks(4)
+    groups: list[list[int]] = []
+    sent, lost = ranks.send_cell((0, 1, 2, 3), {"code": "x = 1"}, {}, lambda rs, msg: groups.append(rs))
+    assert listener.cells == [[0, 1, 2, 3]] and lost == {} and len(sent) == 1
+    reply = {"parent_header": {"msg_id": sent[0]}, "content": {"status": "ok"}, "metadata": {}}
+    assert ranks._replied([0, 1, 3], reply) is True and groups == [[0, 1, 3]]
+    # a reply to nothing routed (a finished cell's, long ago) goes to the ranks' channels instead
+    assert ranks._replied([2], {**reply, "parent_header": {"msg_id": "other"}}) is False
+
+
+def test_a_rank_that_died_is_left_out_of_the_next_cells_send_and_named() -> None:
+    ranks, sup, listener = _remote_ranks(4)
+    ranks.send_cell((0, 1, 2, 3), {"code": "x = 1"}, {}, lambda rs, msg: None)
+    sup.ranks[2].channel.fail_pending("rank 2 (pid 12 on n1) exited with code 1")  # as the supervisor's _died
+    sup.ranks[2].exit_reason, sup.ranks[2].alive, sup.deaths[2] = "exited with code 1", False, [0.0]
+    sent, lost = ranks.send_cell((0, 1, 2, 3), {"code": "x = 2"}, {}, lambda rs, msg: None)
+    assert listener.cells[-1] == [0, 1, 3] and lost == {2: "rank 2 (pid 12 on n1) exited with code 1"}
+    assert ranks.gone() == [2]
+
+
+def test_a_cell_that_waits_on_a_rank_left_running_still_hears_its_reply_after_many_later_cells() -> None:
+    # the late reply is how the group learns the rank is back (GroupState.left_running)
+    ranks, sup, listener = _remote_ranks(4)
+
+    def reply(msg_id: str) -> dict:
+        return {"parent_header": {"msg_id": msg_id}, "content": {"status": "ok"}, "metadata": {}}
+
+    heard: list[list[int]] = []
+    (stuck,), _ = ranks.send_cell((0, 1, 2, 3), {"code": "train()"}, {}, lambda rs, msg: heard.append(rs))
+    ranks._replied([0, 1, 2], reply(stuck))  # rank 3 was given up on, still running
+    later = []
+    for i in range(3 * RECENT):  # cells on the others (%%rank 0-2), each answered
+        (msg_id,), _ = ranks.send_cell((0, 1, 2), {"code": f"x = {i}"}, {}, lambda rs, msg: None)
+        assert ranks._replied([0, 1, 2], reply(msg_id))
+        later.append(msg_id)
+    assert ranks._replied([3], reply(stuck)) is True and heard == [[0, 1, 2], [3]]
+    assert ranks._replied([0], reply(later[0])) is False  # an answered cell's route is not kept for ever

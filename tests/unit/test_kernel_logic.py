@@ -101,6 +101,36 @@ def test_one_failing_rank_fails_the_cell_naming_it():
     run(test)(lambda rank, code: Act(error=("ValueError", "bad") if rank == 1 else None))
 
 
+def test_replies_that_agree_come_as_one_group_and_the_rank_that_differs_is_named():
+    # a node agent sends one entry per distinct reply (issue 26): the cell takes each whole
+    async def test(fe, ranks):
+        cell = await fe.execute("step()")
+        assert sorted(map(sorted, ranks.groups)) == [[0, 1, 3, 4, 5, 6, 7], [2]]
+        assert cell.status == "error" and cell.stream() == "step\n"
+        text = "".join(cell.errors[0]["traceback"])
+        assert "rank 2" in text and "ValueError" in text
+        assert (await fe.execute("x = 1")).status == "ok" and ranks.groups[-1] == list(range(8))
+
+    run(test)(lambda rank, code: Act(out=[stdout("step\n")], error=("ValueError", "bad") if rank == 2 and "step" in code
+                                     else None), world_size=8)
+
+
+def test_a_rank_gone_without_word_to_the_kernel_still_ends_its_part_of_the_cell():
+    # the kernel hears of a death from the supervisor; a rank found gone all the same (the kernel
+    # was exiting when it died) is never waited for: the cell's tick ends its part
+    async def test(fe, ranks):
+        msg = fe.execute_request("while True: pass")
+        task = asyncio.ensure_future(fe.send_shell(msg))
+        await ranks.running(1)
+        ranks._dead[1] = "exited with code 1"
+        await task
+        cell = fe.collect(msg)
+        text = "".join(cell.errors[0]["traceback"])
+        assert cell.status == "error" and "rank 1 (pid 1001) is gone" in text and "%dist_respawn" in text
+
+    run(test)(lambda rank, code: Act(runs=rank == 1))
+
+
 def test_a_bad_rank_selection_is_a_clear_error_and_no_rank_runs_anything():
     async def test(fe, ranks):
         cell = await fe.execute("%%rank 7\nx")

@@ -78,6 +78,11 @@ class GangLauncher(abc.ABC):
     #: whether :attr:`on_change` hears every change; if not, the supervisor polls every rank
     watches = False
 
+    #: given a node agent's summary: the ranks that sent one same reply message, at once. The
+    #: ranks' seam (``SupervisedRanks``) takes it whole for a cell's run and says True; False
+    #: hands the message to each rank's channel instead (issue 26)
+    on_replies: Callable[[list[int], dict], bool] = staticmethod(lambda ranks, msg: False)
+
     @abc.abstractmethod
     def __init__(self, config: KernelConfig, runtime_dir: str, extra_argv: list[str], log: logging.Logger,
                  on_note: Callable[[str], None]) -> None: ...

@@ -60,10 +60,14 @@ class AgentListener:
     from :mod:`dist_kernel.tunnel`, the wire format that both ends share)."""
 
     def __init__(self, config: KernelConfig, keys: dict[str, str],
-                 on_event: Callable[[int, dict], None], log: logging.Logger) -> None:
+                 on_event: Callable[[int, dict], None], log: logging.Logger,
+                 on_replies: Callable[[list[int], dict], bool] = lambda ranks, msg: False) -> None:
         self.config = config
         self.keys = keys
         self.on_event = on_event
+        #: a node's group of ranks with one same reply, taken at once (True), or not (False: then
+        #: each rank's channel gets it)
+        self.on_replies = on_replies
         self.log = log
         self.ctx = zmq.Context()
         self.auth = zmq.auth.thread.ThreadAuthenticator(self.ctx)
@@ -138,6 +142,18 @@ class AgentListener:
         """One Jupyter message to a rank, unsigned (its agent signs it), sent at the end of this
         turn of the loop together with the messages to the node's other ranks."""
         self.outbox.put(self.config.node_of(rank), rank, channel.encode(), header, shared)
+        self._flush_at_end_of_turn()
+
+    def send_to_nodes(self, nodes: list[tuple[int, bytes]], channel: str, header: bytes, shared: list[bytes]) -> None:
+        """One request to many ranks with one header (a cell): to each node (index, its ranks as
+        :func:`~dist_kernel.tunnel.rank_list` made them), one message, as :meth:`send_parts`
+        would make of a message per rank, without the work per rank."""
+        name = channel.encode()
+        for node, ranks in nodes:
+            self.outbox.put_fan(node, tunnel.fan_one_header(name, ranks, header, shared))
+        self._flush_at_end_of_turn()
+
+    def _flush_at_end_of_turn(self) -> None:
         if not self._flush_soon and self._loop is not None:
             self._flush_soon = True
             self._loop.call_soon(self._flush)
@@ -312,13 +328,19 @@ class AgentListener:
                                "buffers": []})
 
     def _replies(self, index: int, frames: list[bytes]) -> None:
-        """A node's summary of its ranks' cell replies: each group decoded once, handed to each
-        of its ranks as the reply message (one object, read-only downstream)."""
+        """A node's summary of its ranks' cell replies: each group decoded once, and handed on
+        at once (:attr:`on_replies`: a cell's run), or else to each of its ranks, as the reply
+        message (one object, read-only downstream)."""
+        per_node, checked = self.config.ranks_per_node, self._checked
         for msg_id, content, meta, ranks in self._heard_from(index, tunnel.unpack_replies, frames) or ():
             msg = {"header": {"msg_type": "execute_reply"}, "msg_id": "", "msg_type": "execute_reply",
                    "parent_header": {"msg_id": msg_id}, "metadata": {protocol.META: meta} if meta else {},
                    "content": content, "buffers": []}
-            for rank in ranks:
+            # an agent speaks for its own ranks only
+            own = [r for r in ranks if r // per_node == index and r in checked]
+            if self.on_replies(own, msg):
+                continue
+            for rank in own:
                 take = self._taker(index, rank)
                 if take is not None:
                     take("shell", msg)

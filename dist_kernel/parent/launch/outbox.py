@@ -34,6 +34,15 @@ class _Run:
         return all(a is b or a == b for a, b in zip(shared, self.shared, strict=True))
 
 
+class _Made:
+    """A fan message made by the caller (:meth:`Outbox.put_fan`): nothing joins it."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list[bytes]) -> None:
+        self.frames = frames
+
+
 class Outbox:
     """Messages for remote ranks, held until :meth:`flush` (once per turn of the loop, and
     before any control event, so a signal never overtakes the cell it is meant for).
@@ -41,7 +50,7 @@ class Outbox:
 
     def __init__(self, send: Callable[[int, list], None]) -> None:
         self._send = send
-        self._runs: dict[int, list[_Run]] = {}
+        self._runs: dict[int, list[_Run | _Made]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._runs)
@@ -49,14 +58,26 @@ class Outbox:
     def put(self, node: int, rank: int, channel: bytes, header: bytes, shared: list[bytes]) -> None:
         """One message to ``rank`` on ``node``: its header, and its other frames (parent header,
         metadata, content, buffers), which may be shared with the ranks around it."""
+        self.put_many(node, channel, [(rank, header)], shared)
+
+    def put_many(self, node: int, channel: bytes, headers: list[tuple[int, bytes]], shared: list[bytes]) -> None:
+        """One message to each of ``headers``' ranks on ``node`` (rank, its header), with the same
+        other frames."""
         runs = self._runs.setdefault(node, [])
-        if not runs or not runs[-1].takes(channel, shared):
-            runs.append(_Run(channel, shared))
-        runs[-1].headers.append((rank, header))
+        last = runs[-1] if runs else None
+        if not isinstance(last, _Run) or not last.takes(channel, shared):
+            last = _Run(channel, shared)
+            runs.append(last)
+        last.headers.extend(headers)
+
+    def put_fan(self, node: int, frames: list[bytes]) -> None:
+        """A :func:`~dist_kernel.tunnel.fan` message to ``node`` made by the caller, sent in its
+        place among what is held for the node."""
+        self._runs.setdefault(node, []).append(_Made(frames))
 
     def flush(self) -> None:
         """Send what is held: one message per node and run."""
         runs, self._runs = self._runs, {}
         for node, node_runs in runs.items():
             for run in node_runs:
-                self._send(node, tunnel.fan(run.channel, run.headers, run.shared))
+                self._send(node, run.frames if isinstance(run, _Made) else tunnel.fan(run.channel, run.headers, run.shared))

@@ -11,6 +11,7 @@ from dist_kernel.parent.merge.alignment import DIVERGE_AFTER, LAG_BOUND, Aligner
 from dist_kernel.parent.merge.captures import capture_change
 from dist_kernel.parent.merge.errors import error_key
 from dist_kernel.parent.merge.labels import namespaced_display_id, unmarked
+from dist_kernel.parent.merge.queues import _dec
 from dist_kernel.parent.merge.rendering import RICH_TYPES, DisplayRegistry, Emit, Renderer
 from dist_kernel.parent.merge.units import (
     Item,
@@ -126,6 +127,37 @@ class CellMerger(Aligner):
             self.errors.setdefault(rank, {k: reply.get(k) for k in ("ename", "evalue", "traceback")})
         self._reply_error[rank] = error_key(reply) if failed else None
         self._resolve_errors(rank)
+        if settle:
+            self._drain(now)
+
+    def ranks_replied(self, ranks: list[int], reply: dict, now: float) -> None:
+        """:meth:`rank_replied` for ranks that sent one same reply (a node's group), settled by
+        the caller (:meth:`settle`); an ``ok`` reply costs a rank no more than a dict entry."""
+        if reply.get("status") == "error" or self._held:
+            for rank in ranks:
+                self.rank_replied(rank, reply, now, settle=False)
+            return
+        self._reply_error.update(dict.fromkeys(ranks))  # None: no error
+
+    def ranks_done(self, ranks: list[int], now: float, settle: bool = True) -> None:
+        """:meth:`rank_done` for several ranks at once. A rank with nothing waiting in the merger
+        (no queued item, unfinished line, held error or chunk: most ranks of a quiet cell) is
+        only counted done; the others take the whole path."""
+        chunks, unfinished, held, queued, done = self._chunks, self._unfinished, self._held, self._queued, self._done
+        quiet = [r for r in ranks if not (r in chunks or r in unfinished or r in held or r in queued or r in done)]
+        if quiet:
+            if self._chunks:  # a rank that ends without the waiting chunk: the chunks differ
+                self._split_chunks(now)
+            for rank in quiet:
+                _dec(self._undone_places, self._place[rank])
+            self._done.update(quiet)
+            self._idle.difference_update(quiet)
+            self._quiet.difference_update(quiet)
+        if len(quiet) < len(ranks):
+            marked = set(quiet)
+            for rank in ranks:
+                if rank not in marked:
+                    self.rank_done(rank, now, settle=False)
         if settle:
             self._drain(now)
 
