@@ -166,3 +166,18 @@ def kernel(kind: str, ranks: int = 1, options: tuple[str, ...] = ()):
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def write_block(path: Path, text: str, markers: tuple[str, str]) -> None:
+    """Put ``text`` between ``markers`` (begin, end) in ``path``, or append it there: each
+    benchmark owns its block of a results page, and the prose around the blocks stays."""
+    begin, end = markers
+    old = path.read_text() if path.exists() else ""
+    block = f"{begin}\n{text}{end}\n"
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
+        new = head + block + ("\n" + tail if tail else "")
+    else:
+        new = (old.rstrip("\n") + "\n\n" if old.strip() else "") + block
+    path.write_text(new)

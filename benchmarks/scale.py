@@ -24,10 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import ROOT, Kernel, log, percentile
+from benchmarks.common import ROOT, Kernel, log, percentile, write_block
 from benchmarks.peers import available
 
 RESULTS = ROOT / "benchmarks" / "results"
+#: this benchmark's block of results/scale.md (the simulated ranks' is benchmarks.sim_scale's)
+MARKERS = ("<!-- real:begin -->", "<!-- real:end -->")
 CELLS = {"x = 1": "x = 1", "%%rank 0": "%%rank 0\nx = 1", "print(1)": "print(1)"}
 BLOCK = 10
 
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.json").write_text(json.dumps(res, indent=1))
     text = report(res)
-    (out / "scale.md").write_text(text)
+    write_block(out / "scale.md", text, MARKERS)  # the page's other blocks and prose stay
     plot(res, out / "scale.png")
     print(text)
     return 0

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.common import Kernel, log, percentile
+from benchmarks.common import Kernel, log, percentile, write_block
 from benchmarks.scale import RESULTS
 
 #: (nodes, ranks per node)
@@ -156,18 +156,6 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def write_block(path: Path, text: str) -> None:
-    """Put ``text`` between the markers in ``path``, or append it."""
-    old = path.read_text() if path.exists() else ""
-    block = f"{BEGIN}\n{text}{END}\n"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + block + rest.split(END, 1)[1].lstrip("\n")
-    else:
-        new = old.rstrip("\n") + "\n\n" + block
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=30)
@@ -191,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sim_scale.json").write_text(json.dumps(res, indent=1))
     text = report(res)
-    write_block(out / "scale.md", text)
+    write_block(out / "scale.md", text, (BEGIN, END))
     plot(res, out / "sim_scale.png")
     print(text)
     return 0

@@ -90,6 +90,10 @@ def test_idle_only_writes_its_section(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_the_scale_benchmark_writes_its_table_json_and_chart(tmp_path: Path) -> None:
     out = tmp_path / "scale"
+    out.mkdir()
+    # the results page also holds the simulated ranks' block and prose: the benchmark rewrites its own block only
+    kept = "Prose about the runs.\n\n<!-- sim:begin -->\nthe simulated ranks' table\n<!-- sim:end -->\n"
+    (out / "scale.md").write_text(kept)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--ranks", "2", "--reps", "10", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
@@ -100,5 +104,5 @@ def test_the_scale_benchmark_writes_its_table_json_and_chart(tmp_path: Path) -> 
         assert row[key]["n"] == 10, (key, row[key])
     assert row["parent_cpu_ms_per_cell"] > 0 and row["ratio_to_ipyparallel"] > 0
     md = (out / "scale.md").read_text()
-    assert "| 2 |" in md and "store_history=True" in md
+    assert "| 2 |" in md and "store_history=True" in md and md.startswith(kept)
     assert (out / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
