@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -278,43 +280,88 @@ class Signer:
         return parts if hmac.compare_digest(self._signature(rank, parts), frames[i + 1]) else None
 
 
+class _Outputs:
+    """A run of checked IOPub messages of a node's ranks, as ``out`` entries. The ranks that sent
+    one same message (type, parent, metadata and content: ``print(1)`` on every rank, each rank's
+    ``idle``) share one entry, sent once with their ranks (issue 26), where that keeps each rank's
+    messages in order: a rank joins its message's latest entry if that comes after its own last
+    one, or if that entry is the last one of each of its ranks (it then moves to the end)."""
+
+    def __init__(self) -> None:
+        self._entries: list[list] = []  # [order, ranks, ranks whose last entry it is, parts]
+        self._latest: dict[tuple[bytes, ...], list] = {}  # a message's key -> its latest entry
+        self._last: dict[int, list] = {}  # rank -> its last entry
+        self._order = itertools.count()
+
+    def add(self, rank: int, parts: list[bytes]) -> None:
+        key = (_msg_type(parts[0]), *parts[1:])
+        entry, last = self._latest.get(key), self._last.get(rank)
+        after = last[0] if last is not None else -1
+        if entry is not None and entry is not last and entry[0] < after and entry[2] == len(entry[1]):
+            entry[0] = next(self._order)  # nothing of its ranks follows it: it may come last
+        if entry is not None and entry[0] > after:
+            entry[1].append(rank)
+        else:
+            entry = self._latest[key] = [next(self._order), [rank], 0, parts]
+            self._entries.append(entry)
+        entry[2] += 1
+        if last is not None:
+            last[2] -= 1
+        self._last[rank] = entry
+
+    def payload(self) -> bytes:
+        """The ``out`` frame's JSON: [rank or [ranks], header, parent header, metadata, content] each."""
+        return b"[" + b",".join(
+            b"[%s,%s,%s,%s,%s]" % (b"%d" % ranks[0] if len(ranks) == 1 else b"[" + rank_list(ranks) + b"]", *parts)
+            for _, ranks, _, parts in sorted(self._entries, key=lambda e: e[0])) + b"]"
+
+
+_MSG_TYPE = re.compile(rb'"msg_type":\s*"([a-z_]+)"')
+
+
+def _msg_type(header: bytes) -> bytes:
+    """A message's type from its header (JSON the rank signed, read without decoding it all);
+    the header itself when it names none, so that the message shares no entry."""
+    found = _MSG_TYPE.search(header)
+    return found.group(1) if found else header
+
+
 class Turn:
     """What a node's ranks said in one turn of its agent, as the frame sets to send, in order (the
-    real agent's and the stub agent's alike): IOPub messages checked and joined (``out``), anything
-    else as it came (``bat``), the cells' replies summarised (``sum``, last: a rank's reply never
-    overtakes its output). A rank's messages keep their order: consecutive messages of one kind
-    share a frame set, and a change of kind starts the next."""
+    real agent's and the stub agent's alike): IOPub messages checked and joined (``out``; the
+    ranks that sent one same message share its entry, :class:`_Outputs`), anything else as it
+    came (``bat``), the cells' replies summarised (``sum``, last: a rank's reply never overtakes
+    its output). A rank's messages keep their order: consecutive messages of one kind share a
+    frame set, and a change of kind starts the next."""
 
     def __init__(self, signer: Signer) -> None:
         self.signer = signer
         self.replies = Replies(signer)
-        self._runs: list[tuple[bytes, list]] = []  # (OUT or BATCH, its entries), in order
+        self._runs: list[tuple[bytes, _Outputs | list]] = []  # (OUT or BATCH, its entries), in order
 
     def add(self, rank: int, channel: bytes, frames: list[bytes]) -> None:
         """One message of ``rank`` on ``channel`` (its frames as the rank's socket gave them)."""
         if self.replies.take(rank, channel, frames):
             return
-        entry = self._checked(rank, frames) if channel == b"iopub" else None
-        kind = OUT if entry is not None else BATCH
+        # checked once its signature verifies; else it travels as it came, and the parent drops it
+        parts = self.signer.verified(rank, frames) if channel == b"iopub" else None
+        kind = OUT if parts is not None else BATCH
         if not self._runs or self._runs[-1][0] != kind:
-            self._runs.append((kind, []))
-        self._runs[-1][1].append(entry if entry is not None else (str(rank).encode(), channel, frames))
-
-    def _checked(self, rank: int, frames: list[bytes]) -> bytes | None:
-        """The message as one JSON entry, once its signature verifies; None: it travels as it came."""
-        parts = self.signer.verified(rank, frames)
-        if parts is None:
-            return None  # the parent drops it, with a warning
-        header, parent, metadata, content = parts
-        return b"[%d,%s,%s,%s,%s]" % (rank, header, parent, metadata, content)
+            self._runs.append((kind, _Outputs() if kind == OUT else []))
+        run = self._runs[-1][1]
+        if isinstance(run, _Outputs):
+            assert parts is not None
+            run.add(rank, parts)
+        else:
+            run.append((str(rank).encode(), channel, frames))
 
     def pack(self, key: str) -> list[list[bytes]]:
         """The turn's frame sets, in order; empties the turn."""
         runs, self._runs = self._runs, []
         out = []
-        for kind, entries in runs:
-            if kind == OUT:
-                payload = b"[" + b",".join(entries) + b"]"
+        for _, entries in runs:
+            if isinstance(entries, _Outputs):
+                payload = entries.payload()
                 out.append([OUT, payload, sign(key, payload)])
             else:
                 out.append(batch(entries))
@@ -339,8 +386,8 @@ def _joined(key: str, frames: list[bytes], what: str) -> list:
 
 
 def unpack_out(key: str, frames: list[bytes]) -> list[list]:
-    """An ``out`` frame set's entries (after the ``out`` frame): [rank, header, parent header,
-    metadata, content]. Raises :class:`TunnelError`."""
+    """An ``out`` frame set's entries (after the ``out`` frame): [rank, or the list of ranks that
+    sent that same message, header, parent header, metadata, content]. Raises :class:`TunnelError`."""
     return _joined(key, frames, "an output frame")
 
 

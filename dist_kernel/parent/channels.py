@@ -161,6 +161,8 @@ class Routes:
     #: msg_id -> the handler of its replies, called with the ranks that sent that same reply:
     #: one rank on this machine, or a node's group (its agent's summary, listener.py), at once
     replies: dict[str, Callable[[list[int], dict], None]] = field(default_factory=dict)
+    #: msg_id -> the handler of an IOPub message that a node's ranks sent alike, with the ranks
+    iopub_groups: dict[str, Callable[[list[int], dict], None]] = field(default_factory=dict)
 
 
 class BadMessage(ValueError):
@@ -532,6 +534,11 @@ class RankChannel:
             route([self.rank], msg)
         else:
             self._resolve(msg)
+
+    def checked_iopub(self, msg: dict) -> dict | None:
+        """An IOPub message its node agent checked, as this channel hands one on (dated by its
+        clock), or None for one the parent does not need; for a group of ranks that sent it alike."""
+        return self._iopub(msg["header"], msg["parent_header"], lambda: msg["content"], lambda: msg["metadata"], [])
 
     @property
     def takes_replies(self) -> bool:

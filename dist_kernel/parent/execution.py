@@ -139,7 +139,7 @@ class CellRun:
             if rank in self.ranks and rank not in lost:
                 self.notice_stopped(rank)
         for msg_id in sent:
-            self.via.listen_all(msg_id, self.relay.on_iopub)
+            self.via.listen_all(msg_id, self.relay.on_iopub, self.relay.on_iopub_group)
         return sent
 
     def _replied(self, ranks: list[int], msg: dict) -> None:

@@ -55,9 +55,11 @@ class CellRanks(Protocol):
     def listen(self, rank: int, msg_id: str, handler: IOPubHandler) -> None:
         """Route the rank's IOPub messages for request ``msg_id`` to ``handler``."""
 
-    def listen_all(self, msg_id: str, handler: Callable[[int, dict], None]) -> None:
+    def listen_all(self, msg_id: str, handler: Callable[[int, dict], None],
+                   on_group: Callable[[list[int], dict], None] | None = None) -> None:
         """Route every rank's IOPub messages for request ``msg_id`` (sent to them with one shared
-        header) to ``handler``, with the rank: one route for the cell, not one per rank."""
+        header) to ``handler``, with the rank: one route for the cell, not one per rank. A message
+        that a node's ranks sent alike goes to ``on_group`` once, with the ranks, when given."""
 
     async def where(self, rank: int) -> Place | None:
         """Where the rank's cell is; None when it does not answer."""
@@ -178,6 +180,7 @@ class SupervisedRanks:
     def __init__(self, supervisor: RankSupervisor) -> None:
         self.sup = supervisor
         supervisor.launcher.on_replies = self._replied
+        supervisor.launcher.on_outputs = self._output
         self._listening: deque[tuple[int, str]] = deque()  # (rank, msg_id) of recent requests
         self._routed: deque[str] = deque()  # msg_ids of recent cells (listen_all)
         self._plan: _SendPlan | None = None  # how the last cell was sent (send_cell)
@@ -272,9 +275,12 @@ class SupervisedRanks:
             if r is not None and r.channel is not None:
                 r.channel.unlisten(old_id)
 
-    def listen_all(self, msg_id: str, handler: Callable[[int, dict], None]) -> None:
+    def listen_all(self, msg_id: str, handler: Callable[[int, dict], None],
+                   on_group: Callable[[list[int], dict], None] | None = None) -> None:
         """The last ``RECENT`` cells stay routed, as :meth:`listen`'s requests."""
         self.sup.routes.iopub[msg_id] = handler
+        if on_group is not None:
+            self.sup.routes.iopub_groups[msg_id] = on_group
         self._routed_now(msg_id)
 
     def _routed_now(self, msg_id: str) -> None:
@@ -288,6 +294,7 @@ class SupervisedRanks:
         while len(self._routed) > RECENT:
             old = self._routed.popleft()
             routes.iopub.pop(old, None)
+            routes.iopub_groups.pop(old, None)
         if len(self._owed) > RECENT:
             gone = set(self.gone())
             for old in [m for m in list(self._owed)[:-RECENT] if not self._owed[m] - gone]:
@@ -353,6 +360,19 @@ class SupervisedRanks:
                        for listener, nodes in by_node.items()}
         return plan
 
+    def _output(self, ranks: list[int], msg: dict) -> bool:
+        """An IOPub message that several of a node's ranks sent alike (the launcher's
+        ``on_outputs``): checked as the first rank's channel checks one, then to its cell's
+        relay at once. False: no cell takes it so (each rank's channel then gets it)."""
+        on_group = self.sup.routes.iopub_groups.get(msg["parent_header"].get("msg_id"))
+        first = self.sup.ranks.get(ranks[0])
+        if on_group is None or first is None or first.channel is None:
+            return False
+        checked = first.channel.checked_iopub(msg)
+        if checked is not None:
+            on_group(ranks, checked)
+        return True
+
     def _replied(self, ranks: list[int], msg: dict) -> bool:
         """A node agent's group of ranks with one same reply (the launcher's ``on_replies``): to
         its cell's run at once, without the ranks being declared gone (``hold_replies``)."""
@@ -382,7 +402,8 @@ class SupervisedRanks:
         return membership.dead_ranks(self.sup)
 
     def stopped_ranks(self) -> list[int]:
-        return sorted(r for r, x in self.sup.ranks.items() if x.stopped)
+        known = self.sup.ranks  # the supervisor's set of ranks seen stopped: no walk over every rank
+        return sorted(r for r in self.sup.stopped if (x := known.get(r)) is not None and x.stopped)
 
     def exit_reason(self, rank: int) -> str:
         r = self.sup.ranks.get(rank)

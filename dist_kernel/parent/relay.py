@@ -100,6 +100,27 @@ class OutputRelay:
         if rank in self._expected:
             self._check(rank)
 
+    def on_iopub_group(self, ranks: list[int], msg: dict) -> None:
+        """One IOPub message that these ranks sent alike (a node agent's entry for them), as
+        :meth:`on_iopub` of each: decoded and checked once on its way here; an output goes to
+        the merger for each rank, which settles once for them."""
+        msg_type = msg["header"]["msg_type"]
+        if msg_type not in OUTPUT_TYPES or msg_type == "execute_result" or self.closed:
+            for rank in ranks:  # status, comms, late output: as they come one by one
+                self.on_iopub(rank, msg)
+            return
+        now, content, sent = self.clock(), msg["content"], msg.get("sent")
+        for rank in ranks:
+            self._heard[rank] = now
+            self._got[rank] = self._got.get(rank, 0) + 1
+            self.merger.add(rank, msg_type, content, now, sent, settle=False)
+        for rank in ranks:
+            if rank in self._expected:
+                self._check(rank)
+        if not self._settle_soon:
+            self._settle_soon = True
+            asyncio.get_running_loop().call_soon(self._settle)
+
     def _on_iopub(self, rank: int, msg: dict) -> None:
         msg_type = msg["header"]["msg_type"]
         content = msg["content"]

@@ -118,7 +118,7 @@ class RankSupervisor:
         self._causes: list[RemoteCause] = []
         # ranks seen stopped: looked at on every turn of _watch until they run again, so a
         # continue is noticed even if its event was lost (a handful of ranks, never all)
-        self._stopped: set[int] = set()
+        self.stopped: set[int] = set()
         self._fault_reported = False
         #: when each rank died (monotonic), for --respawn's "keeps dying" rule
         self.deaths: dict[int, list[float]] = {}
@@ -336,7 +336,7 @@ class RankSupervisor:
                 failure = self.launcher.failure()  # srun or ssh ended: scancel, a time limit, a lost link
                 if failure:
                     self._on_fault(RemoteCause("launcher", failure))
-            for rank in list(self._stopped):
+            for rank in list(self.stopped):
                 await self._look_at(self.ranks[rank])
             if not self.launcher.watches:
                 for r in list(self.ranks.values()):
@@ -352,7 +352,7 @@ class RankSupervisor:
     async def _look_at(self, r: Rank) -> None:
         """Tell the kernel of a rank that exited, was stopped, or runs again."""
         if not r.alive:
-            self._stopped.discard(r.rank)
+            self.stopped.discard(r.rank)
             return
         await r.process.poll()
         reason = r.process.exit_reason()
@@ -364,9 +364,9 @@ class RankSupervisor:
         state = r.process.os_state()
         stopped = state_words(state) if state in STOPPED else ""
         if stopped:
-            self._stopped.add(r.rank)
+            self.stopped.add(r.rank)
         else:
-            self._stopped.discard(r.rank)
+            self.stopped.discard(r.rank)
         if stopped != r.stopped:
             r.stopped = stopped
             with contextlib.suppress(Exception):

@@ -120,7 +120,7 @@ class FakeRanks:
     def listen(self, rank, msg_id, handler) -> None:
         self._listeners[msg_id] = handler
 
-    def listen_all(self, msg_id, handler) -> None:
+    def listen_all(self, msg_id, handler, on_group=None) -> None:
         rank = next(r for r, _, m in self.msg_ids if m == msg_id)
         self._listeners[msg_id] = functools.partial(handler, rank)
 

@@ -142,3 +142,33 @@ def test_the_rank_channel_checks_signatures_and_drops_what_routing_does_not_need
     with pytest.raises(BadMessage):
         ch._decode_iopub(replayed)
     assert json.loads(replayed[-1])["text"] == "once\n"
+
+
+def _cell_through_relay(grouped: bool) -> tuple[list, set]:
+    """Four ranks print "epoch 1" alike, then a line each, then reply; what is published, and
+    the ranks finished. ``grouped``: the shared line comes as one node's entry for the ranks."""
+    async def go():
+        published: list = []
+        run = OutputRelay([0, 1, 2, 3], Outlet(lambda t, c: published.append((t, c))), 1, window=W)
+        waiter = asyncio.ensure_future(run.wait())
+        shared = _msg("stream", {"name": "stdout", "text": "epoch 1\n"})
+        if grouped:
+            run.on_iopub_group([0, 1, 2, 3], shared)
+        else:
+            for rank in range(4):
+                run.on_iopub(rank, shared)
+        for rank in range(4):
+            run.on_iopub(rank, _msg("stream", {"name": "stdout", "text": f"loss {rank}\n"}))
+        run.on_replies([([0, 1, 2, 3], *_reply(2))])
+        await asyncio.wait_for(waiter, 1)
+        return published, run.finished
+
+    return asyncio.run(go())
+
+
+def test_a_line_that_a_nodes_ranks_sent_as_one_entry_shows_as_if_each_rank_had_sent_it():
+    # issue 26: a node agent sends one entry for a message its ranks sent alike
+    published, finished = _cell_through_relay(grouped=True)
+    assert (published, finished) == _cell_through_relay(grouped=False)
+    assert "".join(c["text"] for _, c in published) == "epoch 1\n" + "".join(f"[rank {r}] loss {r}\n" for r in range(4))
+    assert finished == {0, 1, 2, 3}  # each rank's counted messages include its share of the entry

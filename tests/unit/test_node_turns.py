@@ -89,3 +89,33 @@ def test_a_cell_with_one_header_for_all_its_ranks_sends_that_header_once() -> No
     frames = tunnel.fan(b"shell", [(r, header) for r in range(64)], shared)
     assert frames.count(header) == 1 and len(frames) == 5 + len(shared)
     assert tunnel.unfan(frames[1:]) == (b"shell", [(r, header) for r in range(64)], shared)
+
+
+def test_ranks_that_print_the_same_line_share_one_entry_and_a_line_of_their_own_stays_theirs() -> None:
+    turn = tunnel.Turn(tunnel.Signer(KEYS))
+    for rank in range(4):
+        turn.add(rank, b"iopub", [b"topic", *message(rank, "stream", {"name": "stdout", "text": "epoch 1\n"})])
+        turn.add(rank, b"iopub", [b"topic", *message(rank, "stream", {"name": "stdout", "text": f"rank {rank}\n"})])
+        turn.add(rank, b"iopub", [b"topic", *message(rank, "status", {"execution_state": "idle"})])
+    # each rank's idle follows its own line: the shared idle entry moves after them, once per rank
+    assert frames_of(turn) == [(tunnel.OUT, [
+        ([0, 1, 2, 3], "stream", {}), (0, "stream", {}), (1, "stream", {}), (2, "stream", {}), (3, "stream", {}),
+        ([0, 1, 2, 3], "status", {})])]
+
+
+def test_a_rank_joins_an_entry_of_the_same_message_only_where_its_own_order_is_kept() -> None:
+    # rank 1 printed "a" before its "x"; rank 0 printed "x" first and then "b": rank 0's "x" entry
+    # cannot move after rank 1's "a" (rank 0's "b" follows it), so rank 1's "x" has its own
+    turn = tunnel.Turn(tunnel.Signer(KEYS))
+    for rank, text in ((0, "x\n"), (1, "a\n"), (0, "b\n"), (1, "x\n"), (2, "x\n")):
+        turn.add(rank, b"iopub", [b"topic", *message(rank, "stream", {"name": "stdout", "text": text})])
+    ((_, entries),) = frames_of_texts(turn)
+    assert entries == [(0, "x\n"), (1, "a\n"), (0, "b\n"), ([1, 2], "x\n")]
+    for rank in (0, 1, 2):  # each rank's own messages, in the order it sent them
+        own = [text for ranks, text in entries if rank in (ranks if isinstance(ranks, list) else [ranks])]
+        assert own == {0: ["x\n", "b\n"], 1: ["a\n", "x\n"], 2: ["x\n"]}[rank]
+
+
+def frames_of_texts(turn: tunnel.Turn) -> list[tuple[bytes, list]]:
+    """The turn's ``out`` entries as (rank or ranks, text)."""
+    return [(frames[0], [(e[0], e[4]["text"]) for e in tunnel.unpack_out(HMAC, frames[1:])]) for frames in turn.pack(HMAC)]

@@ -82,6 +82,8 @@ class GangLauncher(abc.ABC):
     #: ranks' seam (``SupervisedRanks``) takes it whole for a cell's run and says True; False
     #: hands the message to each rank's channel instead (issue 26)
     on_replies: Callable[[list[int], dict], bool] = staticmethod(lambda ranks, msg: False)
+    #: likewise, the ranks that sent one same IOPub message (``print(1)`` on every rank)
+    on_outputs: Callable[[list[int], dict], bool] = staticmethod(lambda ranks, msg: False)
 
     @abc.abstractmethod
     def __init__(self, config: KernelConfig, runtime_dir: str, extra_argv: list[str], log: logging.Logger,

@@ -61,13 +61,15 @@ class AgentListener:
 
     def __init__(self, config: KernelConfig, keys: dict[str, str],
                  on_event: Callable[[int, dict], None], log: logging.Logger,
-                 on_replies: Callable[[list[int], dict], bool] = lambda ranks, msg: False) -> None:
+                 on_replies: Callable[[list[int], dict], bool] = lambda ranks, msg: False,
+                 on_outputs: Callable[[list[int], dict], bool] = lambda ranks, msg: False) -> None:
         self.config = config
         self.keys = keys
         self.on_event = on_event
         #: a node's group of ranks with one same reply, taken at once (True), or not (False: then
-        #: each rank's channel gets it)
+        #: each rank's channel gets it); likewise a group's one same IOPub message
         self.on_replies = on_replies
+        self.on_outputs = on_outputs
         self.log = log
         self.ctx = zmq.Context()
         self.auth = zmq.auth.thread.ThreadAuthenticator(self.ctx)
@@ -315,17 +317,22 @@ class AgentListener:
         return self._checked.get(rank) if rank // self.config.ranks_per_node == index else None
 
     def _outputs(self, index: int, frames: list[bytes]) -> None:
-        """IOPub messages of a node's ranks that its agent checked and joined: one decode for all."""
+        """IOPub messages of a node's ranks that its agent checked and joined: one decode for all.
+        An entry that several ranks sent alike goes on at once (:attr:`on_outputs`: a cell's
+        relay), or else to each rank's channel, as one message object (read-only downstream)."""
         for entry in self._heard_from(index, tunnel.unpack_out, frames) or ():
             try:
                 rank, header, parent, metadata, content = entry
-                take = self._taker(index, rank)
+                takers = [(r, take) for r in (rank if isinstance(rank, list) else [rank])
+                          if (take := self._taker(index, r)) is not None]
             except (ValueError, TypeError):
                 self.log.warning("listener: node %d: a malformed output entry", index)
                 continue
-            if take is not None:
-                take("iopub", {"header": header, "parent_header": parent, "metadata": metadata, "content": content,
-                               "buffers": []})
+            msg = {"header": header, "parent_header": parent, "metadata": metadata, "content": content, "buffers": []}
+            if len(takers) > 1 and self.on_outputs([r for r, _ in takers], msg):
+                continue
+            for _, take in takers:
+                take("iopub", msg)
 
     def _replies(self, index: int, frames: list[bytes]) -> None:
         """A node's summary of its ranks' cell replies: each group decoded once, and handed on

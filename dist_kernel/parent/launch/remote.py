@@ -137,7 +137,8 @@ class RemoteLauncher(GangLauncher):
             raise ConfigError(f"--listen {address}: cannot resolve it ({e}). Fix: give an IP address of this "
                               "machine that the nodes can reach, then restart the kernel.") from None
         self.listener = AgentListener(cfg, self.keys, self._on_event, self.log,
-                                      on_replies=lambda ranks, msg: self.on_replies(ranks, msg))
+                                      on_replies=lambda ranks, msg: self.on_replies(ranks, msg),
+                                      on_outputs=lambda ranks, msg: self.on_outputs(ranks, msg))
         try:
             port = self.listener.bind(address)
         except zmq.ZMQError as e:
