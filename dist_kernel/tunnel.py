@@ -337,7 +337,7 @@ class Turn:
     def __init__(self, signer: Signer) -> None:
         self.signer = signer
         self.replies = Replies(signer)
-        self._runs: list[tuple[bytes, _Outputs | list]] = []  # (OUT or BATCH, its entries), in order
+        self._runs: list[_Outputs | list] = []  # checked IOPub (out) or messages as they came (bat), in order
 
     def add(self, rank: int, channel: bytes, frames: list[bytes]) -> None:
         """One message of ``rank`` on ``channel`` (its frames as the rank's socket gave them)."""
@@ -345,21 +345,23 @@ class Turn:
             return
         # checked once its signature verifies; else it travels as it came, and the parent drops it
         parts = self.signer.verified(rank, frames) if channel == b"iopub" else None
-        kind = OUT if parts is not None else BATCH
-        if not self._runs or self._runs[-1][0] != kind:
-            self._runs.append((kind, _Outputs() if kind == OUT else []))
-        run = self._runs[-1][1]
-        if isinstance(run, _Outputs):
-            assert parts is not None
+        run = self._runs[-1] if self._runs else None
+        if parts is not None:
+            if not isinstance(run, _Outputs):
+                run = _Outputs()
+                self._runs.append(run)
             run.add(rank, parts)
         else:
+            if not isinstance(run, list):
+                run = []
+                self._runs.append(run)
             run.append((str(rank).encode(), channel, frames))
 
     def pack(self, key: str) -> list[list[bytes]]:
         """The turn's frame sets, in order; empties the turn."""
         runs, self._runs = self._runs, []
         out = []
-        for _, entries in runs:
+        for entries in runs:
             if isinstance(entries, _Outputs):
                 payload = entries.payload()
                 out.append([OUT, payload, sign(key, payload)])

@@ -442,8 +442,7 @@ class RankChannel:
             return
         try:
             if channel == "iopub":
-                header, parent, content = msg["header"], msg["parent_header"], msg["content"]
-                checked = self._iopub(header, parent, lambda: content, lambda: msg["metadata"], [])
+                checked = self.checked_iopub(msg)
                 if checked is None:
                     return
                 msg = checked

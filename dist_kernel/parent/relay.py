@@ -117,9 +117,7 @@ class OutputRelay:
         for rank in ranks:
             if rank in self._expected:
                 self._check(rank)
-        if not self._settle_soon:
-            self._settle_soon = True
-            asyncio.get_running_loop().call_soon(self._settle)
+        self._settle_later(asyncio.get_running_loop())
 
     def _on_iopub(self, rank: int, msg: dict) -> None:
         msg_type = msg["header"]["msg_type"]
@@ -152,11 +150,15 @@ class OutputRelay:
             self.merger.add(rank, msg_type, content, self.clock(), msg.get("sent"), settle=loop is None)
             if loop is None:
                 self._settled()
-            elif not self._settle_soon:
-                # what else arrives in this turn of the loop (a node's turn: its ranks' outputs)
-                # is added first, and the merger settles once for all of it
-                self._settle_soon = True
-                loop.call_soon(self._settle)
+            else:
+                self._settle_later(loop)
+
+    def _settle_later(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Settle the merger at the end of this turn of the loop: what else arrives in it (a
+        node's turn: its ranks' outputs) is added first, and the merger settles once for all."""
+        if not self._settle_soon:
+            self._settle_soon = True
+            loop.call_soon(self._settle)
 
     def _settle(self) -> None:
         self._settle_soon = False

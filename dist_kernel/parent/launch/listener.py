@@ -311,10 +311,11 @@ class AgentListener:
             node.last_heard = time.monotonic()
         return decoded
 
-    def _taker(self, index: int, rank: int) -> Callable[[str, dict], None] | None:
-        """Where a checked message of ``rank`` goes, when node ``index`` holds that rank (an agent
-        speaks for its own ranks only)."""
-        return self._checked.get(rank) if rank // self.config.ranks_per_node == index else None
+    def _own(self, index: int, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` that node ``index`` holds and whose channel takes checked messages
+        (an agent speaks for its own ranks only). TypeError for a rank that is not a number."""
+        per_node, checked = self.config.ranks_per_node, self._checked
+        return [r for r in ranks if r // per_node == index and r in checked]
 
     def _outputs(self, index: int, frames: list[bytes]) -> None:
         """IOPub messages of a node's ranks that its agent checked and joined: one decode for all.
@@ -323,34 +324,29 @@ class AgentListener:
         for entry in self._heard_from(index, tunnel.unpack_out, frames) or ():
             try:
                 rank, header, parent, metadata, content = entry
-                takers = [(r, take) for r in (rank if isinstance(rank, list) else [rank])
-                          if (take := self._taker(index, r)) is not None]
+                own = self._own(index, rank if isinstance(rank, list) else [rank])
             except (ValueError, TypeError):
                 self.log.warning("listener: node %d: a malformed output entry", index)
                 continue
             msg = {"header": header, "parent_header": parent, "metadata": metadata, "content": content, "buffers": []}
-            if len(takers) > 1 and self.on_outputs([r for r, _ in takers], msg):
+            if len(own) > 1 and self.on_outputs(own, msg):
                 continue
-            for _, take in takers:
-                take("iopub", msg)
+            for r in own:
+                self._checked[r]("iopub", msg)
 
     def _replies(self, index: int, frames: list[bytes]) -> None:
         """A node's summary of its ranks' cell replies: each group decoded once, and handed on
         at once (:attr:`on_replies`: a cell's run), or else to each of its ranks, as the reply
         message (one object, read-only downstream)."""
-        per_node, checked = self.config.ranks_per_node, self._checked
         for msg_id, content, meta, ranks in self._heard_from(index, tunnel.unpack_replies, frames) or ():
             msg = {"header": {"msg_type": "execute_reply"}, "msg_id": "", "msg_type": "execute_reply",
                    "parent_header": {"msg_id": msg_id}, "metadata": {protocol.META: meta} if meta else {},
                    "content": content, "buffers": []}
-            # an agent speaks for its own ranks only
-            own = [r for r in ranks if r // per_node == index and r in checked]
+            own = self._own(index, ranks)
             if self.on_replies(own, msg):
                 continue
             for rank in own:
-                take = self._taker(index, rank)
-                if take is not None:
-                    take("shell", msg)
+                self._checked[rank]("shell", msg)
 
     def _drain_after_send(self) -> None:
         self._drain_soon = False

@@ -58,17 +58,12 @@ class Outbox:
     def put(self, node: int, rank: int, channel: bytes, header: bytes, shared: list[bytes]) -> None:
         """One message to ``rank`` on ``node``: its header, and its other frames (parent header,
         metadata, content, buffers), which may be shared with the ranks around it."""
-        self.put_many(node, channel, [(rank, header)], shared)
-
-    def put_many(self, node: int, channel: bytes, headers: list[tuple[int, bytes]], shared: list[bytes]) -> None:
-        """One message to each of ``headers``' ranks on ``node`` (rank, its header), with the same
-        other frames."""
         runs = self._runs.setdefault(node, [])
         last = runs[-1] if runs else None
         if not isinstance(last, _Run) or not last.takes(channel, shared):
             last = _Run(channel, shared)
             runs.append(last)
-        last.headers.extend(headers)
+        last.headers.append((rank, header))
 
     def put_fan(self, node: int, frames: list[bytes]) -> None:
         """A :func:`~dist_kernel.tunnel.fan` message to ``node`` made by the caller, sent in its
