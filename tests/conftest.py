@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent / "cluster"))  # cluster_lab, one module for every lane
 
 from cluster_lab import hold_lab, release_lab
-from harness import GROUP_SETUP, DistKernel, kernel_for_module
+from harness import GROUP_SETUP, DistKernel, cpu_hogs, kernel_for_module
 
 TESTS = Path(__file__).parent
 #: the lanes whose tests start real kernels or processes
@@ -82,6 +82,14 @@ def kernel2():
 @pytest.fixture(scope="module")
 def kernel3():
     yield from kernel_for_module("--ranks", "3")
+
+
+@pytest.fixture
+def busy_machine():
+    """Every core kept busy by another process while the test runs (``harness.cpu_hogs``): the
+    tests of hangs and races run beside it, as on a user's busy machine."""
+    with cpu_hogs() as hogs:
+        yield hogs
 
 
 @pytest.fixture

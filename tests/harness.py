@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -168,6 +169,25 @@ def kernel_for_module(*options: str) -> Iterator[DistKernel]:
         yield k
     finally:
         k.shutdown()
+
+
+#: a busy loop that ends as soon as the process that started it is gone (a killed test run leaves no hog)
+_HOG = "import os\np = os.getppid()\nwhile os.getppid() == p:\n    sum(range(10000))\n"
+
+
+@contextlib.contextmanager
+def cpu_hogs(n: int | None = None) -> Iterator[list[subprocess.Popen]]:
+    """Keep every core busy (``n`` busy loops, one per core by default) while the body runs: a
+    race's test runs beside them, as a user's busy machine would. They end with the block, or with
+    the test process if it is killed."""
+    hogs = [subprocess.Popen([sys.executable, "-c", _HOG]) for _ in range(n or os.cpu_count() or 2)]
+    try:
+        yield hogs
+    finally:
+        for h in hogs:
+            h.kill()
+        for h in hogs:
+            h.wait()
 
 
 def end_process_tree(proc: subprocess.Popen) -> None:
