@@ -25,14 +25,22 @@ from pathlib import Path
 import pytest
 
 from dist_kernel import cleanup
+from dist_kernel.cleanup import LaunchRecord
 from dist_kernel.exceptions import ConfigError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.launch.node_starters import NODE_STARTERS, default_listen, make_node_starter, slurm, ssh
 from dist_kernel.parent.launch.node_starters import base as starter_base
+from dist_kernel.parent.launch.node_starters import (
+    default_listen,
+    end_launch,
+    make_node_starter,
+    node_starter_class,
+    slurm,
+    ssh,
+)
 from dist_kernel.parent.launch.node_starters.base import NodeStarter, exit_words
 from dist_kernel.parent.launch.node_starters.slurm import SlurmNodeStarter, check_allocation, parse_srun_line, srun_argv
 from dist_kernel.parent.launch.node_starters.ssh import SshNodeStarter, ssh_argv
-from dist_kernel.parent.reaper import reap, write_launch
+from dist_kernel.parent.reaper import reap
 
 ROOT = Path(__file__).resolve().parents[2]
 LOG = logging.getLogger("test_cluster_launch")
@@ -252,7 +260,7 @@ def test_each_launcher_process_reads_the_bootstrap_and_eof_when_stopped_and_is_r
         fake = FakeStarter([echo + ["0"], echo + ["1"]], rd)
         await fake.start(BOOTSTRAP)
         record = cleanup.read_launch(rd)
-        assert [p for p, _ in record["pids"]] == fake.local_pids() and record["slurm"] is None
+        assert [p for p, _ in record.pids] == fake.local_pids() and (record.kind, record.started) == ("fake", {})
         await asyncio.sleep(0.3)
         assert fake.failure() is None  # both wait on stdin
         t0 = time.monotonic()
@@ -336,14 +344,14 @@ def test_a_dead_kernels_launchers_are_ended_by_the_sweep_and_a_reused_pid_is_spa
     launcher = subprocess.Popen(["sleep", "60"], start_new_session=True)
     stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        write_launch(str(stale), [launcher.pid, stranger.pid])
+        LaunchRecord.of("ssh", [launcher.pid, stranger.pid]).write(str(stale))
         record = json.loads((stale / cleanup.LAUNCH_FILE).read_text())
         record["pids"][1][1] += 1  # as if the pid now named another process
         (stale / cleanup.LAUNCH_FILE).write_text(json.dumps(record))
-        report = cleanup.sweep([str(tmp_path)])
+        report = cleanup.sweep([str(tmp_path)], end_launch=end_launch)
         assert launcher.wait(timeout=5) == -signal.SIGTERM  # SIGTERM first: srun cancels its step
         assert launcher.pid in {p.pid for p in report.killed} and stranger.poll() is None
-        assert report.removed == [str(stale)] and report.cancelled == []
+        assert report.removed == [str(stale)] and report.released == []
     finally:
         for p in (launcher, stranger):
             p.kill()
@@ -358,7 +366,7 @@ def test_the_reaper_ends_launchers_with_sigterm_then_sigkill(tmp_path):
                             stdout=subprocess.PIPE, start_new_session=True)
     deaf.stdout.readline()
     try:
-        write_launch(rd, [polite.pid, deaf.pid])
+        LaunchRecord.of("ssh", [polite.pid, deaf.pid]).write(rd)
         reap(rd)
         assert polite.wait(timeout=1) == -signal.SIGTERM and deaf.wait(timeout=1) == -signal.SIGKILL
         assert not os.path.exists(rd)
@@ -420,7 +428,7 @@ def launched(lab, kind: str, tmp_path: Path, agent: str = AGENT, notes: list | N
     token = f"dktest-{uuid.uuid4().hex[:10]}"
     rd = tmp_path / f"dist_kernel-{os.getpid()}-{token[-6:]}"
     rd.mkdir()
-    cls = NODE_STARTERS[kind]
+    cls = node_starter_class(kind)
     cfg.setdefault("hosts", ("10.77.0.11", "10.77.0.12") if kind == "ssh" else ())
     cfg.setdefault("nodes", len(cfg["hosts"]) if kind == "ssh" else 2)
     launcher = cls(config(launcher=kind, **cfg),
@@ -452,9 +460,10 @@ def test_srun_gives_the_bootstrap_to_an_agent_on_each_node_and_stop_leaves_nothi
         got = sorted(got_lines(launcher))
         assert [(g[1], g[2], g[4]) for g in got] == [("n1", "0", str(len(BOOTSTRAP))), ("n2", "1", str(len(BOOTSTRAP)))]
         assert got[0][3] == got[1][3] != "None"
-        launcher.note_job(got[0][3])  # as the lead's parent does with the agents' SLURM_JOB_ID
+        launcher.hello({0: {"job": got[0][3]}})  # as the remote launcher hands it the agents' hellos (SLURM_JOB_ID)
         assert launcher.job_id == got[0][3]
-        assert cleanup.read_launch(launcher.runtime_dir)["slurm"]["job"] == launcher.job_id
+        record = cleanup.read_launch(launcher.runtime_dir)
+        assert (record.kind, record.started["job"]) == ("slurm", launcher.job_id)
         assert node_procs(token)
         t0 = time.monotonic()
         await launcher.stop()
@@ -486,7 +495,7 @@ def test_a_stuck_agent_under_srun_is_ended_and_its_job_cancelled_within_seconds(
 def test_waiting_in_the_slurm_queue_is_said_with_the_job_id_and_stop_cancels_the_job(lab, tmp_path):
     blocker_name = f"dktest-blocker-{uuid.uuid4().hex[:6]}"
     blocker = lab_run(lab, "sbatch", "--parsable", "--exclusive", "-N2", "--job-name", blocker_name,
-                      "--wrap", "sleep 120", check=True).strip().split(";")[0]
+                      "--output=/dev/null", "--wrap", "sleep 120", check=True).strip().split(";")[0]
     notes: list[str] = []
     launcher, token = launched(lab, "slurm", tmp_path, notes=notes)
     try:
@@ -513,7 +522,8 @@ def test_waiting_in_the_slurm_queue_is_said_with_the_job_id_and_stop_cancels_the
 
 def test_stop_while_queued_cancels_the_pending_job(lab, tmp_path):
     blocker = lab_run(lab, "sbatch", "--parsable", "--exclusive", "-N2", "--job-name",
-                      f"dktest-blocker-{uuid.uuid4().hex[:6]}", "--wrap", "sleep 120", check=True).strip()
+                      f"dktest-blocker-{uuid.uuid4().hex[:6]}", "--output=/dev/null", "--wrap", "sleep 120",
+                      check=True).strip()
     launcher, token = launched(lab, "slurm", tmp_path)
     try:
         async def go():
@@ -576,7 +586,7 @@ def test_inside_the_users_allocation_the_step_ends_and_the_allocation_stays(lab,
 
 def test_ssh_gives_each_host_the_bootstrap_and_its_exact_argv_and_stop_leaves_nothing(lab, tmp_path):
     launcher, token = launched(lab, "ssh", tmp_path)
-    assert launcher.hosts() == ["10.77.0.11", "10.77.0.12"] and launcher.job_id is None
+    assert launcher.hosts() == ["10.77.0.11", "10.77.0.12"] and launcher.started() == {}
 
     async def go():
         await launcher.start(BOOTSTRAP)
@@ -641,7 +651,7 @@ def test_the_default_listen_address_is_this_machines_on_the_route_to_the_nodes(l
 REAPED_PARENT = """
 import asyncio, json, logging, os, subprocess, sys, tempfile, types
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.launch.node_starters import NODE_STARTERS
+from dist_kernel.parent.launch.node_starters import node_starter_class
 kind, token, agent, python = sys.argv[1:5]
 env = json.loads(sys.stdin.readline())
 rd = tempfile.mkdtemp(prefix=f"dist_kernel-{os.getpid()}-")
@@ -649,7 +659,7 @@ reaper = subprocess.Popen([sys.executable, "-m", "dist_kernel.parent.reaper", st
                           stdin=subprocess.DEVNULL, start_new_session=True)
 cfg = KernelConfig(world_size=2, backend="gloo", launcher=kind, nodes=2, ranks_per_node=1,
                    hosts=("10.77.0.11", "10.77.0.12") if kind == "ssh" else ())
-cls = NODE_STARTERS[kind]
+cls = node_starter_class(kind)
 launcher = cls(cfg, lambda node: [python, "-c", agent, token], rd, logging.getLogger(), print, environ=env)
 async def main():
     await launcher.start(b"{}\\n")
@@ -702,16 +712,21 @@ def test_a_sigkilled_parent_s_launchers_and_job_are_ended_by_the_reaper(lab, kin
             lab_run(lab, "scancel", "--name", info["name"])
 
 
-def test_the_sweep_cancels_a_dead_kernels_slurm_job(lab, tmp_path):
+@pytest.mark.parametrize("written_by", ["this version", "the version before kinds"])
+def test_the_sweep_cancels_a_dead_kernels_slurm_job(lab, tmp_path, written_by):
     stale = tmp_path / f"dist_kernel-{dead_pid()}-{uuid.uuid4().hex[:6]}"
     stale.mkdir()
     name = stale.name
-    job = lab_run(lab, "sbatch", "--parsable", "-N1", "--job-name", name, "--wrap", "sleep 120", check=True).strip()
+    job = lab_run(lab, "sbatch", "--parsable", "-N1", "--job-name", name, "--output=/dev/null", "--wrap", "sleep 120",
+                  check=True).strip()
+    started = {"job": None, "name": name, "user": slurm.user_name(), "own_job": True, "slurm_conf": lab["SLURM_CONF"]}
     try:
-        write_launch(str(stale), [], {"job": None, "name": name, "user": cleanup.user_name(), "own_job": True,
-                                      "slurm_conf": lab["SLURM_CONF"]})
-        report = cleanup.sweep([str(tmp_path)])
-        assert report.cancelled == [f"--user={cleanup.user_name()} --name={name}"]
+        if written_by == "this version":
+            LaunchRecord("slurm", (), started).write(str(stale))
+        else:  # a kernel killed before an upgrade: no kind, the job under "slurm"
+            (stale / cleanup.LAUNCH_FILE).write_text(json.dumps({"pids": [], "slurm": started}))
+        report = cleanup.sweep([str(tmp_path)], end_launch=end_launch)
+        assert report.released == [f"cancelled Slurm job: scancel --user={slurm.user_name()} --name={name}"]
         nothing_left(lab, "never-a-token", name, job)
     finally:
         lab_run(lab, "scancel", job)
