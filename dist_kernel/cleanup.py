@@ -14,29 +14,32 @@ kernel is alive; the same name is the value of the variable, so a process can be
 after its directory was removed. Only processes of this user are ever signalled, never this
 process or its ancestors. Imports nothing heavy: the reaper runs this.
 
-A kernel whose ranks run on other machines (``--launcher slurm|ssh``, see parent/launch/node_starters/)
-also records its starter processes (``srun``, ``ssh``) and its Slurm job in ``launch.json``
-(:data:`LAUNCH_FILE`): :func:`end_launch` ends those (SIGTERM first, so that ``srun`` cancels
-its step) and cancels the job; the reaper and the sweep call it for a kernel that is gone.
+A kernel whose ranks run on other machines also records what its node starter started in
+``launch.json`` (:data:`LAUNCH_FILE`, a :class:`LaunchRecord`): the starter's kind, its
+processes on this machine, and an opaque record of anything else it started (a batch job). Only
+the starter of that kind knows how to end it (``NodeStarter.end_recorded``, found by kind in
+:mod:`dist_kernel.launchers`): the sweep and the reaper are handed that dispatch
+(``end_launch``) and name no batch system. :func:`end_processes` is the part every starter
+shares: its processes on this machine, SIGTERM first (a starter may end what it started on the
+way out), then SIGKILL.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import signal
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 ENV_VAR = "DIST_KERNEL_RUNTIME_DIR"
 RUNTIME_PREFIX = "dist_kernel-"
 PIDS_FILE = "ranks.pids"
-#: the starter processes (srun, ssh) and Slurm job of a multi-node kernel (see :func:`end_launch`)
+#: what the node starter of a multi-node kernel started (a :class:`LaunchRecord`)
 LAUNCH_FILE = "launch.json"
 # Linux limits a unix socket path (sun_path) to 107 bytes. The ranks' IPC sockets are
 # ``<runtime dir>/rank<N>-<port>``; leave room for 4-digit ranks and 5-digit ports.
@@ -66,8 +69,8 @@ class SweepReport:
 
     killed: list[Proc] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
-    #: Slurm jobs and steps cancelled (``scancel`` arguments, one string per call)
-    cancelled: list[str] = field(default_factory=list)
+    #: what the node starters ended besides processes (a batch job cancelled), in their words
+    released: list[str] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------ runtime directories
@@ -308,7 +311,7 @@ def kill_kernel_processes(runtime_dir: str, rank_pids: Iterable[int] | None = No
                                               pids, trust_rank_sessions))
 
 
-# ------------------------------------------------------------------ launchers (srun, ssh)
+# ------------------------------------------------------------------ what node starters started
 def start_time(pid: int) -> int | None:
     """The start time of ``pid`` (clock ticks since boot, ``/proc/PID/stat`` field 22): with
     the pid it names one process for good, whatever pid is reused later."""
@@ -318,120 +321,128 @@ def start_time(pid: int) -> int | None:
         return None
 
 
-def read_launch(runtime_dir: str) -> dict | None:
-    """What ``launch.json`` in ``runtime_dir`` records (see reaper.write_launch); None when absent."""
+#: the launch record's format; a file without a version was written before kinds (version 1)
+LAUNCH_VERSION = 2
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """What one node starter started, as ``launch.json`` keeps it for the reaper and the sweep.
+
+    ``kind``: the ``--launcher`` kind whose starter wrote it (and ends it); ``pids``: its
+    processes on this machine, each with its start time (a reused pid is never signalled);
+    ``started``: anything else it started (a batch job), opaque here: only the starter of that
+    kind reads it. Like a jupyter_client provisioner's ``get_provisioner_info``.
+    """
+
+    kind: str
+    pids: tuple[tuple[int, int | None], ...] = ()
+    started: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, kind: str, pids: Iterable[int], started: dict[str, Any] | None = None) -> LaunchRecord:
+        """The record of these live processes (their start times read now)."""
+        return cls(kind, tuple((pid, start_time(pid)) for pid in pids), dict(started or {}))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": LAUNCH_VERSION, "kind": self.kind, "pids": [list(p) for p in self.pids],
+                "started": self.started}
+
+    @classmethod
+    def from_json(cls, raw: object) -> LaunchRecord | None:
+        """A record as written by this version or the one before, or None for anything else.
+
+        Version 1 (no ``version`` key) had no kind: ``{"pids": [...], KIND: {...} or null}``, where
+        the one starter that started more than processes kept that under its kind's name. Read
+        so, a kernel killed before an upgrade is still cleaned after it; without such a key only
+        its processes are recorded (kind "")."""
+        if not isinstance(raw, dict):
+            return None
+        pids: list[tuple[int, int | None]] = []
+        for entry in raw.get("pids") or []:
+            try:
+                pids.append((int(entry[0]), None if entry[1] is None else int(entry[1])))
+            except (TypeError, ValueError, IndexError):
+                continue
+        if "version" not in raw:
+            kept = [(k, v) for k, v in raw.items() if k != "pids" and isinstance(v, dict)]
+            return cls(kept[0][0], tuple(pids), kept[0][1]) if kept else cls("", tuple(pids))
+        kind, started = raw.get("kind"), raw.get("started")
+        if not isinstance(kind, str) or not isinstance(started, dict):
+            return None
+        return cls(kind, tuple(pids), started)
+
+    def write(self, runtime_dir: str) -> None:
+        """Write ``launch.json`` in ``runtime_dir``, atomically (the reaper never reads half a file)."""
+        path = os.path.join(runtime_dir, LAUNCH_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump(self.to_json(), f)
+        os.replace(path + ".tmp", path)
+
+
+#: ends what a launch record names: its kind's ``NodeStarter.end_recorded``, picked by the launch
+#: package (dist_kernel.parent.launch.node_starters.end_launch); returns the processes ended and
+#: what else it ended, in words
+EndLaunch = Callable[[LaunchRecord], tuple[list[Proc], list[str]]]
+
+
+def read_launch(runtime_dir: str) -> LaunchRecord | None:
+    """The :class:`LaunchRecord` in ``runtime_dir``; None when absent or unreadable."""
     try:
         with open(os.path.join(runtime_dir, LAUNCH_FILE)) as f:
-            record = json.load(f)
+            return LaunchRecord.from_json(json.load(f))
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) else None
 
 
-def _launch_pids(record: dict) -> list[int]:
-    """The recorded launcher pids that still are the processes recorded (same start time)."""
-    out = []
-    for entry in record.get("pids") or []:
-        try:
-            pid, started = int(entry[0]), entry[1]
-        except (TypeError, ValueError, IndexError):
-            continue
-        if pid > 1 and pid != os.getpid() and start_time(pid) == started and pid_alive(pid):
-            out.append(pid)
-    return out
+def _live(pids: Iterable[tuple[int, int | None]]) -> list[int]:
+    """The recorded pids that still are the processes recorded (same start time)."""
+    return [pid for pid, started in pids
+            if pid > 1 and pid != os.getpid() and start_time(pid) == started and pid_alive(pid)]
 
 
-def _slurm_run(argv: list[str], slurm_conf: str | None, timeout: float = 5.0) -> subprocess.CompletedProcess | None:
-    env = dict(os.environ)
-    if slurm_conf:
-        env["SLURM_CONF"] = slurm_conf
-    try:
-        return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=timeout, env=env)
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def cancel_slurm(slurm: dict) -> list[str]:
-    """Cancel what a launcher's Slurm record names; returns the ``scancel`` calls made.
-
-    The kernel's own job (``own_job``): ``scancel --user U --name NAME [JOB]``, filters that
-    Slurm ANDs, so only a job of this user with the kernel's unique name is ever cancelled
-    (also one whose id was never learnt). Inside the user's allocation only the steps of that
-    job with the kernel's name are cancelled, never the allocation.
-    """
-    name, job = slurm.get("name"), slurm.get("job")
-    user = slurm.get("user") or user_name()
-    conf = slurm.get("slurm_conf")
-    if not name:
-        return []
-    calls: list[list[str]] = []
-    if slurm.get("own_job"):
-        calls.append(["scancel", f"--user={user}", f"--name={name}", *([str(job)] if job else [])])
-    elif job:
-        listed = _slurm_run(["squeue", "-h", "-s", "-j", str(job), "-o", "%i %j"], conf)
-        for line in (listed.stdout.splitlines() if listed and listed.returncode == 0 else []):
-            parts = line.split(None, 1)
-            if len(parts) == 2 and parts[1].strip() == name and parts[0].startswith(f"{job}."):
-                calls.append(["scancel", parts[0]])
-    for argv in calls:
-        _slurm_run(argv, conf)
-    return [" ".join(argv[1:]) for argv in calls]
-
-
-def user_name() -> str:
-    try:
-        return pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        return str(os.getuid())
-
-
-def end_launch(record: dict | None, term_wait: float = 2.0) -> tuple[list[Proc], list[str]]:
-    """End a launcher's processes and cancel its Slurm job or steps, from its ``launch.json``.
-
-    SIGTERM first (``srun`` then cancels its step, ``ssh`` closes the session so the node
-    agents read EOF), up to ``term_wait`` seconds, then SIGKILL; then ``scancel``. A recorded
-    pid is only signalled while its start time is the recorded one. Returns the processes
-    ended and the ``scancel`` calls made.
-    """
-    if not record:
-        return [], []
-    pids = _launch_pids(record)
-    procs = processes() if pids else {}
-    ended = [procs.get(pid) or Proc(pid, 0, 0, 0, None, []) for pid in pids]
-    for pid in pids:
+def end_processes(pids: Iterable[tuple[int, int | None]], term_wait: float = 2.0) -> list[Proc]:
+    """End a starter's recorded processes: SIGTERM first (``ssh`` then closes its session, so
+    the node agents read EOF; a batch system's client ends its step), up to ``term_wait``
+    seconds, then SIGKILL. A pid is only signalled while its start time is the recorded one.
+    Returns the processes ended."""
+    live = _live(pids)
+    procs = processes() if live else {}
+    ended = [procs.get(pid) or Proc(pid, 0, 0, 0, None, []) for pid in live]
+    for pid in live:
         try:
             os.kill(pid, signal.SIGTERM)
         except OSError:
             pass
     deadline = time.monotonic() + term_wait
-    while pids and time.monotonic() < deadline:
-        pids = [pid for pid in pids if pid_alive(pid)]
-        if pids:
+    while live and time.monotonic() < deadline:
+        live = [pid for pid in live if pid_alive(pid)]
+        if live:
             time.sleep(0.05)
-    for pid in pids:
+    for pid in live:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    slurm = record.get("slurm")
-    cancelled = cancel_slurm(slurm) if isinstance(slurm, dict) else []
-    return ended, cancelled
+    return ended
 
 
-def sweep(bases: Iterable[str] | None = None) -> SweepReport:
-    """End the processes of every kernel of this user that has exited, and remove their
-    runtime directories. Safe at any time: a live kernel is never touched.
+def sweep(bases: Iterable[str] | None = None, *, end_launch: EndLaunch) -> SweepReport:
+    """End the processes of every kernel of this user that has exited, and what their node
+    starters started (``end_launch``, by kind), and remove their runtime directories. Safe at
+    any time: a live kernel is never touched.
 
     Run at every kernel start and by ``python -m dist_kernel clean``. Finds leftovers of
     kernels whose directory is gone too, by the variable in their environment.
     """
     stale = stale_runtime_dirs(bases)
     report = SweepReport()
-    for d in stale:  # the launchers first: srun must see SIGTERM (not SIGKILL) to cancel its step
-        ended, cancelled = end_launch(read_launch(d))
-        report.killed += ended
-        report.cancelled += cancelled
+    for d in stale:  # the starters first: theirs must get SIGTERM (not SIGKILL) to end what they started
+        record = read_launch(d)
+        if record is not None:
+            ended, released = end_launch(record)
+            report.killed += ended
+            report.released += released
     rank_pids = [pid for d in stale for pid in read_pids(d)]
     verdicts: dict[str, bool] = {os.path.normpath(d): True for d in stale}
 

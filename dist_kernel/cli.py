@@ -103,15 +103,16 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 def cmd_clean(ns: argparse.Namespace) -> int:
     from dist_kernel.cleanup import sweep
+    from dist_kernel.parent.launch.node_starters import end_launch
 
-    report = sweep()
+    report = sweep(end_launch=end_launch)  # what a node starter started is ended by its kind
     for p in report.killed:
         print(f"ended {p.describe()}")
     for d in report.removed:
         print(f"removed {d}")
-    for job in report.cancelled:
-        print(f"cancelled Slurm job: scancel {job}")
-    if not report.killed and not report.removed and not report.cancelled:
+    for words in report.released:
+        print(words)
+    if not report.killed and not report.removed and not report.released:
         print("nothing to clean")
     return 0
 

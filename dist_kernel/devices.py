@@ -15,6 +15,7 @@ import subprocess
 from collections.abc import Mapping
 
 from dist_kernel.exceptions import FIX_HINT, ConfigError
+from dist_kernel.launchers import is_remote
 
 
 def visible_gpus(environ: Mapping[str, str] | None = None) -> list[int]:
@@ -82,7 +83,7 @@ def check_nccl_has_gpus(chosen: str | None, gpus: list[int], launcher: str) -> N
     """A ``--backend nccl`` without GPUs is an error, said before any rank count is checked."""
     if chosen != "nccl" or gpus:
         return
-    if launcher != "local":
+    if is_remote(launcher):
         raise ConfigError(
             f"--backend nccl needs GPUs: with --launcher {launcher}, name the GPU ids on each node "
             f"with --gpus (e.g. --gpus 0,1,2,3), or use --backend gloo. {FIX_HINT}")

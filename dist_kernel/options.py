@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from dist_kernel import capacity, devices, placement
 from dist_kernel.capacity import Machine
 from dist_kernel.exceptions import FIX_HINT, ConfigError
+from dist_kernel.launchers import KINDS, is_remote
 
 BACKENDS = ("gloo", "nccl")
-#: where the ranks run: this machine, nodes started by Slurm's srun, or hosts reached by ssh
-LAUNCHERS = ("local", "slurm", "ssh", "stub")
+#: where the ranks run: the ``--launcher`` values, from the table of kinds (dist_kernel/launchers.py)
+LAUNCHERS = tuple(k.name for k in KINDS)
 OUTPUT_POLICIES = ("all", "rank0")
 ENV_PREFIX = "DIST_KERNEL_"
 
@@ -166,16 +167,16 @@ OPTIONS: tuple[Option, ...] = (
            _SUPERVISOR, metavar="on|off", rank_switch=True),
     Option("rich_output", choice(*OUTPUT_POLICIES), "all", "rich output from every rank (merged) or "
            "from rank 0 only (default {default})", _KERNEL, metavar="all|rank0"),
-    Option("launcher", choice(*LAUNCHERS), "local", "where the ranks run: this machine, nodes started by "
-           "srun, or hosts reached by ssh; stub: stand-in ranks on local stub nodes, for tests and benchmarks "
-           "(default {default})", "dist_kernel.parent.launch", metavar="local|slurm|ssh"),
+    Option("launcher", choice(*LAUNCHERS), KINDS[0].name, "where the ranks run: "
+           + "; ".join(f"{k.name}: {k.where}" for k in KINDS) + " (default {default})", "dist_kernel.parent.launch",
+           metavar="|".join(k.name for k in KINDS if not k.for_tests)),
     Option("nodes", whole(1), "1", "number of machines (slurm/ssh; default: 1 for slurm, the number of "
            "--hosts for ssh)", _REMOTE, metavar="N"),
     Option("ranks_per_node", whole(1), None, "ranks on each node (slurm/ssh; default: the number of "
            "--gpus, else 1)", _REMOTE, metavar="G"),
     Option("hosts", verbatim, None, "comma list of hosts to start the ranks on, node 0 first (ssh only)",
            "dist_kernel.parent.launch.node_starters.ssh", metavar="H1,H2"),
-    Option("slurm_args", verbatim, None, "extra srun/salloc arguments, e.g. \"--partition gpu --time "
+    Option("slurm_args", verbatim, None, "extra arguments for the Slurm job step, e.g. \"--partition gpu --time "
            "2:00:00\" (slurm only)", "dist_kernel.parent.launch.node_starters.slurm", metavar="ARGS"),
     Option("listen", verbatim, None, "the parent's address as the nodes see it, no port (slurm/ssh; "
            "default: this machine's address on its route to the nodes)", "dist_kernel.parent.launch.node_starters", metavar="ADDR"),
@@ -217,7 +218,7 @@ class KernelConfig:
     #: ranks on each node; 0 when constructed means "all of them" (world_size, local)
     ranks_per_node: int = 0
     hosts: tuple[str, ...] = ()  # ssh: node i is hosts[i]
-    slurm_args: tuple[str, ...] = ()  # extra srun/salloc arguments, already split
+    slurm_args: tuple[str, ...] = ()  # extra arguments for the Slurm job step, already split
     listen: str | None = None  # the parent's address as the nodes see it; None: decided at start
     port_range: tuple[int, int] | None = None  # inclusive; None: random free ports
     oversubscribe: bool = _default("oversubscribe")
@@ -238,8 +239,8 @@ class KernelConfig:
 
     @property
     def remote(self) -> bool:
-        """The ranks run on other machines (``--launcher slurm`` or ``ssh``)."""
-        return self.launcher != "local"
+        """The ranks run on other machines (a ``--launcher`` kind with a node starter)."""
+        return is_remote(self.launcher)
 
     def node_of(self, rank: int) -> int:
         """The node a rank runs on (ranks are numbered node-major)."""
@@ -312,7 +313,7 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
 
     warnings: list[str] = []
     launcher = get("launcher")
-    remote = launcher != "local"
+    remote = is_remote(launcher)
     hosts = _hosts(raw["hosts"], launcher)
     slurm_args = _slurm_args(raw["slurm_args"], launcher)
     listen = _listen(raw["listen"], remote)
@@ -441,7 +442,7 @@ def _hosts(raw: str | None, launcher: str) -> tuple[str, ...]:
     return tuple(hosts)
 
 
-#: srun options the kernel sets itself (long names; a prefix match catches --ntasks-per-gpu etc.)
+#: Slurm job-step options the kernel sets itself (long names; a prefix match catches --ntasks-per-gpu etc.)
 _SLURM_OWN_LONG = ("--nodes", "--ntasks", "--input", "--output", "--error", "--jobid")
 _SLURM_OWN_SHORT = ("-N", "-n", "-i", "-o", "-e")
 

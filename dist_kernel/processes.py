@@ -15,7 +15,7 @@ import sys
 def describe_exit(code: int | None, *, oom_hint: bool = True) -> str:
     """Human words for a process exit status (negative: the signal that ended it).
 
-    ``oom_hint``: add that a SIGKILL is often the out-of-memory killer (true of a rank, not of srun)."""
+    ``oom_hint``: add that a SIGKILL is often the out-of-memory killer (true of a rank, not of a node starter's process)."""
     if code is None:
         return "exited"
     if code < 0:

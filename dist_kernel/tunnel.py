@@ -35,8 +35,8 @@ Frames, after the ROUTER's node identity on the parent's side:
 
 Nothing here is ever unpickled: control payloads are JSON, Jupyter frames are passed through.
 
-Over SSH the key line travels inside ssh's encryption. srun's stdin (and its environment)
-cross the cluster network in clear, so for Slurm the line is wrapped in MUNGE credentials,
+Over SSH the key line travels inside ssh's encryption. A Slurm job step's stdin (and its
+environment) cross the cluster network in clear, so for Slurm the line is wrapped in MUNGE credentials,
 which every Slurm cluster runs: the payload is encrypted with the cluster's MUNGE key and only
 this user can decode it, once per node, within its lifetime (:func:`munge_wrap`).
 """
@@ -112,7 +112,7 @@ class Bootstrap:
     extra_argv: list[str] = field(default_factory=list)  # for every rank kernel
     parent_pid: int = 0
     parent_host: str = ""
-    #: the parent's working directory (ranks start there when the node has it, as srun does) and
+    #: the parent's working directory (ranks start there when the node has it, as a Slurm step does) and
     #: PYTHONPATH (ssh logins do not carry it): a notebook's relative paths and local imports work
     cwd: str = ""
     pythonpath: str = ""

@@ -1,4 +1,4 @@
-"""The node agent: one per machine of a multi-node kernel, started by srun or ssh.
+"""The node agent: one per machine of a multi-node kernel, started by a node starter (Slurm, ssh).
 
     python -m dist_kernel.node --parent tcp://ADDR:PORT [--node-rank I]
 
@@ -14,7 +14,7 @@ ranks when the parent asks (the stop button).
 
 It ends its ranks and itself when the parent says ``stop``, when its link to the parent has
 been down for :data:`~dist_kernel.tunnel.LOST_AFTER` seconds (cut off, a SIGKILLed parent), or
-when its stdin closes (srun or ssh ended). Each rank also dies with the agent
+when its stdin closes (the node starter's process ended). Each rank also dies with the agent
 (``PR_SET_PDEATHSIG``), so a SIGKILLed agent leaves nothing behind either.
 
 It imports no torch and nothing of the parent's kernel: it starts processes and moves bytes.
@@ -46,7 +46,7 @@ REACH_TIMEOUT = 10.0
 
 
 def fail(message: str, code: int = 3) -> None:
-    """A wiring mistake: one clear line on stderr (srun/ssh carry it to the parent), then exit."""
+    """A wiring mistake: one clear line on stderr (the node starter carries it to the parent), then exit."""
     print(f"dist_kernel node agent on {socket.gethostname()}: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -144,7 +144,7 @@ class NodeAgent:
 
     def cwd(self) -> str:
         """Where the ranks start: the parent's directory when this node has it (a shared
-        filesystem), else the agent's own (srun: the same; ssh: the login's home)."""
+        filesystem), else the agent's own (under Slurm: the same; ssh: the login's home)."""
         return self.boot.cwd if self.boot.cwd and os.path.isdir(self.boot.cwd) else os.getcwd()
 
     def send_ctl(self, event: dict) -> None:
@@ -237,7 +237,7 @@ class NodeAgent:
                     self.turn.add(rank, name, s.recv_multipart(copy=True))
             for frames in self.turn.pack(self.boot.hmac_key):
                 self.sock.send_multipart(frames)
-            self.ending = link.turn(self.beat, self.stdin_closed.is_set(), "srun or ssh ended")
+            self.ending = link.turn(self.beat, self.stdin_closed.is_set(), "its node starter ended")
 
     def beat(self) -> None:
         """The ranks whose state changed since the last beat (all of them, with their load, while
@@ -334,7 +334,7 @@ class NodeAgent:
 
 
 def read_bootstrap(munge: bool, socket_path: str | None, fd: int = 0) -> tunnel.Bootstrap:
-    """The keys from stdin: one JSON line (ssh), or MUNGE credential lines (srun), of which the
+    """The keys from stdin: one JSON line (ssh), or MUNGE credential lines (Slurm), of which the
     first that decodes on this node wins: one may have expired in the queue, or (several nodes
     sharing one munged) been decoded by another node already."""
     errors: list[str] = []
@@ -348,7 +348,7 @@ def read_bootstrap(munge: bool, socket_path: str | None, fd: int = 0) -> tunnel.
         if not munge:
             return tunnel.Bootstrap.decode(line)
         if not line.startswith(tunnel.MUNGE_PREFIX):
-            fail("refused a key line that is not MUNGE-wrapped (srun's stdin crosses the network in clear)", 2)
+            fail("refused a key line that is not MUNGE-wrapped (this stdin crosses the network in clear)", 2)
         try:
             return tunnel.Bootstrap.decode(tunnel.munge_unwrap(line, socket_path))
         except tunnel.TunnelError as e:
@@ -368,7 +368,7 @@ def _read_line(fd: int = 0) -> bytes:
 
 
 def _watch_stdin(closed: threading.Event, fd: int = 0) -> None:
-    """stdin stays open while the launcher (srun, ssh) runs: its EOF means the parent is gone."""
+    """stdin stays open while the node starter's process runs: its EOF means the parent is gone."""
     with contextlib.suppress(OSError):
         while os.read(fd, 4096):
             pass
@@ -379,12 +379,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dist_kernel.node", description=__doc__.split("\n")[0])
     parser.add_argument("--parent", required=True, help="tcp://ADDR:PORT of the parent's listener")
     parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (default: SLURM_NODEID)")
-    parser.add_argument("--munge", action="store_true", help="the key lines are MUNGE credentials (srun)")
+    parser.add_argument("--munge", action="store_true", help="the key lines are MUNGE credentials (Slurm)")
     parser.add_argument("--munge-socket", default=None, help="munged's socket (default: munged's own default)")
     args = parser.parse_args(argv)
     node = args.node_rank if args.node_rank is not None else int(os.environ.get("SLURM_NODEID", "-1"))
     if node < 0:
-        fail("no node rank: pass --node-rank or run under srun (SLURM_NODEID)", 2)
+        fail("no node rank: pass --node-rank or run as a Slurm task (SLURM_NODEID)", 2)
     try:
         boot = read_bootstrap(args.munge, args.munge_socket)
     except tunnel.TunnelError as e:
@@ -392,9 +392,9 @@ def main(argv: list[str] | None = None) -> None:
     agent = NodeAgent(args.parent, node, boot)
 
     def on_signal(signum: int, _frame: object) -> None:
-        # scancel, the job's time limit, srun ending: the loop ends the ranks and says why
-        agent.ending = (f"it got {signal.Signals(signum).name} (scancel, the Slurm job's time limit, "
-                        "or srun/ssh ending)")
+        # a cancelled job, its time limit, the node starter ending: the loop ends the ranks and says why
+        agent.ending = (f"it got {signal.Signals(signum).name} (its job cancelled or out of time, "
+                        "or its node starter ending)")
         if not hasattr(agent, "sock"):
             sys.exit(128 + signum)
 

@@ -39,11 +39,11 @@ each busy rank waits, the time) and gets back a decision. The rules:
    one once it missed two looks in a row: one miss is a loaded machine); the group is left
    alone, since resuming the rank may resume the cell.
 6. **Ranks on other machines** (:func:`remote_culprit`). One fault there sets off others: a
-   killed agent makes srun SIGTERM the agents on the other nodes; a cancelled job ends srun.
+   killed agent makes a Slurm step SIGTERM the agents on the other nodes; a cancelled job ends the step.
    The kernel collects what it hears for a moment (:func:`settle_for`) and names the most
    specific cause: a rank that exited by itself or was killed (the OOM killer), then a node that fell silent, then
-   what the launcher (srun, ssh) said as it ended, then an agent's own word that it is ending
-   (SIGTERM), then a rank that was terminated (scancel signals every process of the step); the
+   what the node starter said as it ended, then an agent's own word that it is ending
+   (SIGTERM), then a rank that was terminated (cancelling a job signals every process of the step); the
    earliest within a kind.
    The ranks on every node are then stopped.
 7. **A rank at a breakpoint** (JupyterLab's debugger, ``%dist_debug``): while the debugged rank
@@ -358,9 +358,9 @@ class RemoteCause:
 
 def settle_for(first: RemoteCause) -> float:
     """How long to hear more of a fault on other machines before naming its cause, from the first
-    word of it. A rank terminated, or an agent ending, is what follows a fault elsewhere (srun
-    SIGTERMs the other nodes' tasks when one is killed): the cause itself (a node lost, what srun
-    said) comes a moment later, once the link's loss is confirmed (``tunnel.RECONNECT_GRACE``)."""
+    word of it. A rank terminated, or an agent ending, is what follows a fault elsewhere (a Slurm
+    step SIGTERMs the other nodes' tasks when one is killed): the cause itself (a node lost, what
+    the node starter said) comes a moment later, once the link's loss is confirmed (``tunnel.RECONNECT_GRACE``)."""
     return 3.0 if first.kind in ("terminated", "ending") else 1.0
 
 

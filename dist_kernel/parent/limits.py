@@ -14,6 +14,7 @@ from __future__ import annotations
 import resource
 
 from dist_kernel.exceptions import ConfigError
+from dist_kernel.launchers import KINDS
 
 #: descriptors the parent holds per local rank: 86 at 2 ranks, 118 at 4 (measured, Linux)
 FDS_PER_LOCAL_RANK = 16
@@ -23,6 +24,8 @@ FDS_BASE = 128
 SHARED_SOCKETS_PER_RANK = 1
 #: sockets the parent's own kernel and its client library keep in that context besides
 SHARED_SOCKETS_BASE = 32
+#: the --launcher kinds that put ranks on other machines, for the fix in the error
+_REMOTE_KINDS = "/".join(k.name for k in KINDS if k.remote and not k.for_tests)
 
 
 def fds_needed(local_ranks: int) -> int:
@@ -57,7 +60,7 @@ def plan(local_ranks: int, soft: int, hard: int, zmq_sockets: int) -> int:
                    f"jupyter_client's context, whose limit is {zmq_sockets}")
             fix = "use"
         raise ConfigError(f"--ranks {local_ranks} on this machine needs {why}. Fix: {fix} at most "
-                          f"{most} ranks on this machine, or spread them over several (--launcher slurm/ssh).")
+                          f"{most} ranks on this machine, or spread them over several (--launcher {_REMOTE_KINDS}).")
     return soft if unlimited else max(soft, need)
 
 

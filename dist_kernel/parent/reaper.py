@@ -11,9 +11,11 @@ rank's session and process group (DataLoader workers; the rank pids are in
 found by ``DIST_KERNEL_RUNTIME_DIR`` in its environment); then it removes the directory. It
 exits by itself once the directory is gone, which is how a normal shutdown ends it.
 
-With ranks on other machines (``--launcher slurm|ssh``) it first ends the launcher processes
-recorded in ``RUNTIME_DIR/launch.json`` (``srun``/``ssh``: SIGTERM, 2 s, SIGKILL) and cancels
-the kernel's Slurm job (see cleanup.end_launch).
+With ranks on other machines it first ends what the node starter recorded in
+``RUNTIME_DIR/launch.json`` (a :class:`~dist_kernel.cleanup.LaunchRecord`), through the starter
+of the record's kind (``node_starters.end_launch``: its processes, SIGTERM, 2 s, SIGKILL, then
+whatever else it started, such as a batch job). That dispatch is imported when a record first
+appears, while the parent lives: a kernel on this machine alone never pays for it.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import time
 from dist_kernel.cleanup import (
     LAUNCH_FILE,
     PIDS_FILE,
-    end_launch,
+    EndLaunch,
+    LaunchRecord,
+    end_processes,
     kill_kernel_processes,
     read_launch,
     read_pids,
-    start_time,
 )
 
 
@@ -44,22 +47,23 @@ def write_pids(runtime_dir: str, pids: list[int]) -> None:
     os.replace(path + ".tmp", path)
 
 
-def write_launch(runtime_dir: str, pids: list[int], slurm: dict | None = None) -> None:
-    """Record a launcher's processes (``srun``/``ssh``) and Slurm job for the reaper and the
-    sweep (atomically). ``slurm``: {"job": id or None, "name": job name, "user": user,
-    "own_job": whether the kernel asked for the job (else it is the user's allocation),
-    "slurm_conf": $SLURM_CONF or None}; see cleanup.end_launch."""
-    record = {"pids": [[pid, start_time(pid)] for pid in pids], "slurm": slurm}
-    path = os.path.join(runtime_dir, LAUNCH_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
+def launch_ender() -> EndLaunch:
+    """How a recorded start is ended, by its kind: the launch package's dispatch (heavy to
+    import, so only for a kernel that recorded one)."""
+    try:
+        from dist_kernel.parent.launch.node_starters import end_launch
+    except Exception:  # noqa: BLE001 - the last one left to clean ends the starter's processes at least
+        return lambda record: (end_processes(record.pids), [])
+    return end_launch
 
 
-def reap(runtime_dir: str, rank_pids: list[int] | None = None, launch: dict | None = None) -> None:
-    """End the launchers and cancel the Slurm job (if any), SIGKILL every process of the
-    kernel, then remove its runtime directory."""
-    end_launch(read_launch(runtime_dir) or launch)
+def reap(runtime_dir: str, rank_pids: list[int] | None = None, launch: LaunchRecord | None = None,
+         end_launch: EndLaunch | None = None) -> None:
+    """End what the node starter started (if anything), SIGKILL every process of the kernel,
+    then remove its runtime directory."""
+    record = read_launch(runtime_dir) or launch
+    if record is not None:
+        (end_launch or launch_ender())(record)
     pids = read_pids(runtime_dir) or (rank_pids or [])
     # the ranks died a moment ago (or are alive and verified): their sessions are theirs
     kill_kernel_processes(runtime_dir, pids, trust_rank_sessions=True)
@@ -71,11 +75,12 @@ def main(parent_pid: int, runtime_dir: str, interval: float = 0.1) -> None:
     (a normal shutdown). The parent is checked first, and the rank pids are remembered: a
     sweep by another kernel may remove the directory the moment the parent dies."""
     pids: list[int] = []
-    launch: dict | None = None
+    launch: LaunchRecord | None = None
+    ender: EndLaunch | None = None
     seen = seen_launch = None
     while True:
         if os.getppid() != parent_pid:
-            reap(runtime_dir, pids, launch)
+            reap(runtime_dir, pids, launch, ender)
             return
         stamp, launch_stamp = _stamp(runtime_dir, PIDS_FILE), _stamp(runtime_dir, LAUNCH_FILE)
         if stamp != seen:
@@ -84,9 +89,11 @@ def main(parent_pid: int, runtime_dir: str, interval: float = 0.1) -> None:
         # gone from a dir that is still there: a launcher's stop() ended everything already
         if launch_stamp != seen_launch and (launch_stamp or os.path.isdir(runtime_dir)):
             launch, seen_launch = read_launch(runtime_dir) if launch_stamp else None, launch_stamp
+            if launch is not None and ender is None:
+                ender = launch_ender()  # now, while the parent lives, not once it is gone
         if not os.path.isdir(runtime_dir):
             if os.getppid() != parent_pid:  # the parent died since the check above
-                reap(runtime_dir, pids, launch)
+                reap(runtime_dir, pids, launch, ender)
             return
         time.sleep(interval)
 

@@ -33,6 +33,7 @@ from dist_kernel.parent import limits
 from dist_kernel.parent.channels import RankChannel, Routes
 from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit, settle_for
 from dist_kernel.parent.launch import RankHandle, make_gang_launcher
+from dist_kernel.parent.launch.node_starters import end_launch
 from dist_kernel.parent.magics import format_ranks
 from dist_kernel.processes import state_words
 
@@ -99,9 +100,9 @@ class RankSupervisor:
         # end what kernels that exited left behind (their reapers killed too), then make a
         # private dir (0700) whose name (our pid) lets a later sweep judge it; short enough
         # for the IPC socket paths even under a long TMPDIR
-        sweep()
+        sweep(end_launch=end_launch)
         self.runtime_dir = make_runtime_dir()
-        # where the ranks run (--launcher): this machine, or nodes started through Slurm or SSH
+        # where the ranks run (--launcher): this machine, or nodes a node starter starts
         self.launcher = make_gang_launcher(config, self.runtime_dir, list(extra_argv or []), self.log,
                                            on_note or (lambda text: None))
         self.launcher.on_fault = self._on_fault
@@ -333,7 +334,7 @@ class RankSupervisor:
         per rank, however many there are."""
         while not self.closing:
             if self.ready.is_set():
-                failure = self.launcher.failure()  # srun or ssh ended: scancel, a time limit, a lost link
+                failure = self.launcher.failure()  # the node starter ended: a cancelled job, a time limit, a lost link
                 if failure:
                     self._on_fault(RemoteCause("launcher", failure))
             for rank in list(self.stopped):
@@ -356,7 +357,7 @@ class RankSupervisor:
             return
         await r.process.poll()
         reason = r.process.exit_reason()
-        # while a fault that takes the gang settles (scancel SIGTERMs every rank), the
+        # while a fault that takes the gang settles (a cancelled job SIGTERMs every rank), the
         # ranks die of its cause, named once it is known (_report_fault)
         if reason and not self._causes:
             self._died(r, reason)
@@ -466,7 +467,7 @@ class RankSupervisor:
     def _rank_pids(self) -> list[int]:
         """The rank processes on this machine (their sessions and groups are the kernel's).
         Ranks on other machines have pids that mean nothing here: their agents end them, and
-        the launcher (srun, ssh) records its own processes and job for the reaper."""
+        the node starter records what it started for the reaper."""
         return [p for p in (r.pid for r in self.ranks.values() if not r.host) if p]
 
     def _remove_runtime_dir(self) -> None:

@@ -8,8 +8,8 @@ import threading
 import time
 
 import pytest
+from cluster_lab import SSH_OPTS, kernel_env
 from harness import DistKernel, shell_reply
-from test_cluster import SSH_OPTS, kernel_env
 
 pytestmark = pytest.mark.slow
 

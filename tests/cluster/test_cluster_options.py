@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import psutil
+from cluster_lab import HEAD, SSH_OPTS, kernel_env
 from harness import DistKernel
-from test_cluster import HEAD, SSH_OPTS, kernel_env
 
 
 def test_port_range_holds_the_parents_listener_rank_0s_rendezvous_and_a_free_master_port(lab):

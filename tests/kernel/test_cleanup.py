@@ -25,6 +25,7 @@ import pytest
 from harness import DistKernel, end_process_tree
 
 from dist_kernel import cleanup
+from dist_kernel.parent.launch.node_starters import end_launch
 from dist_kernel.parent.reaper import reap, write_pids
 
 ROOT = Path(__file__).parents[2]
@@ -123,7 +124,7 @@ def test_a_runtime_dir_whose_kernel_is_gone_is_swept_at_the_next_start(tmp_path)
     for d in (stale, live, other):
         d.mkdir()
         (d / "rank0.json").write_text("{}")
-    assert cleanup.sweep([str(tmp_path)]).removed == [str(stale)]
+    assert cleanup.sweep([str(tmp_path)], end_launch=end_launch).removed == [str(stale)]
     assert not stale.exists() and live.exists() and other.exists()
 
 
@@ -141,7 +142,7 @@ def test_a_sweep_ends_a_dead_kernels_processes_and_spares_a_live_kernels_and_str
         "not ours": sleeper({**os.environ, cleanup.ENV_VAR: str(tmp_path / "elsewhere")}),
     }
     try:
-        report = cleanup.sweep([str(tmp_path)])
+        report = cleanup.sweep([str(tmp_path)], end_launch=end_launch)
         killed = {p.pid for p in report.killed}
         assert killed >= {procs["stale"].pid, procs["removed"].pid}
         assert killed.isdisjoint({procs[k].pid for k in ("live", "stranger", "not ours")})
@@ -171,11 +172,11 @@ def test_another_kernels_sweep_ends_a_dead_ranks_leftovers_named_or_not(tmp_path
         write_pids(str(runtime), [rank.pid])
         rank.kill()
         rank.wait()
-        other = cleanup.sweep([str(tmp_path / "elsewhere")])
+        other = cleanup.sweep([str(tmp_path / "elsewhere")], end_launch=end_launch)
         # both, or the unnamed one would be found by nothing once the named one is gone
         assert {named, unnamed} <= {p.pid for p in other.killed}
         assert gone([named, unnamed]) == []
-        assert cleanup.sweep([str(tmp_path)]).removed == [str(runtime)]  # this kernel's own clean, later
+        assert cleanup.sweep([str(tmp_path)], end_launch=end_launch).removed == [str(runtime)]  # this kernel's own clean, later
     finally:
         kill_all([named, unnamed])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[2] / "dist_kernel"
@@ -73,16 +74,38 @@ def test_the_node_agent_never_imports_the_parent():
     assert crossing == set()
 
 
-def test_every_launcher_value_names_a_gang_launcher_and_each_remote_one_a_node_starter():
-    """``--launcher`` picks from two tables, never from an if/elif: a value options.py accepts
-    must be a key of both (local needs no node starter)."""
-    from dist_kernel.options import LAUNCHERS
-    from dist_kernel.parent.launch import GANG_LAUNCHERS
-    from dist_kernel.parent.launch.node_starters import NODE_STARTERS
+def test_every_launcher_kind_is_one_row_of_the_table_whose_node_starter_serves_it():
+    """``--launcher`` picks from one table, never from an if/elif: options.py takes its values and
+    help from it, and each remote kind's row names a node starter class of that kind."""
+    from dist_kernel.launchers import KINDS
+    from dist_kernel.options import LAUNCHERS, OPTION
+    from dist_kernel.parent.launch import gang_launcher_class
+    from dist_kernel.parent.launch.local import LocalLauncher
+    from dist_kernel.parent.launch.node_starters import node_starter_class
+    from dist_kernel.parent.launch.remote import RemoteLauncher
 
-    assert set(GANG_LAUNCHERS) == set(LAUNCHERS)
-    assert set(NODE_STARTERS) == set(LAUNCHERS) - {"local"}
-    assert all(cls.kind == name for name, cls in NODE_STARTERS.items())
+    assert LAUNCHERS == tuple(k.name for k in KINDS) and OPTION["launcher"].default == KINDS[0].name
+    for kind in KINDS:
+        assert f"{kind.name}: {kind.where}" in OPTION["launcher"].help
+        if kind.remote:
+            assert node_starter_class(kind.name).kind == kind.name
+            assert gang_launcher_class(kind.name) is RemoteLauncher
+        else:
+            assert gang_launcher_class(kind.name) is LocalLauncher
+
+
+#: the batch system's commands: only its node starter runs them, or names them
+_SLURM_COMMANDS = re.compile(r"\b(scancel|squeue|srun|sbatch)\b")
+
+
+def test_only_the_slurm_starter_names_slurms_commands():
+    """A launcher owns its kind (issue 37): cleanup, the reaper, ``clean`` and the rest of the
+    launch package end a start through its starter, by kind, and name no batch system."""
+    own = PACKAGE / "parent" / "launch" / "node_starters" / "slurm.py"
+    named = [f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}"
+             for path in sorted(PACKAGE.rglob("*.py")) if path != own
+             for n, line in enumerate(path.read_text().splitlines(), 1) if _SLURM_COMMANDS.search(line)]
+    assert named == []
 
 
 def test_no_module_is_over_600_lines_and_no_class_over_400():

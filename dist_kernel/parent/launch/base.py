@@ -58,9 +58,9 @@ class GangLauncher(abc.ABC):
     """Starts, signals and ends the ranks of one kernel.
 
     Every implementation takes the same arguments (``config, runtime_dir, extra_argv, log,
-    on_note``), so :data:`dist_kernel.parent.launch.GANG_LAUNCHERS` can pick one by name:
+    on_note``), so :func:`dist_kernel.parent.launch.gang_launcher_class` can pick one by kind:
     ``extra_argv`` goes to each rank kernel's command line, ``on_note`` gets progress for the
-    first cell (waiting in the Slurm queue, ...)."""
+    first cell (waiting in a batch queue, ...)."""
 
     #: how many ranks may be starting at once
     wave: int
@@ -130,7 +130,7 @@ class GangLauncher(abc.ABC):
         """Where formation number ``generation`` of the group meets (``Join.store``)."""
 
     def failure(self) -> str | None:
-        """How the launching itself failed (srun/ssh, the node starter's processes, ended), or None."""
+        """How the launching itself failed (the node starter's processes ended, or its job), or None."""
         return None
 
     def sample(self, on: bool) -> None:

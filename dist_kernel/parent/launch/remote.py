@@ -1,8 +1,10 @@
 """The gang launcher of ranks on other machines: the parent's end of the node agents' connections.
 
-A node starter (:mod:`dist_kernel.parent.launch.node_starters`: srun or ssh) starts one node
-agent per machine. The parent listens on ``--listen`` (an :class:`AgentListener`, listener.py:
-CurveZMQ, one admitted client key; the wire format is :mod:`dist_kernel.tunnel`). Each node's
+A node starter (:mod:`dist_kernel.parent.launch.node_starters`, of the kind ``--launcher``
+names) starts one node agent per machine; this module never asks which kind, and hears of a
+batch queue only as the starter's phases (pending, started, ended). The parent listens on
+``--listen`` (an :class:`AgentListener`, listener.py: CurveZMQ, one admitted client key; the
+wire format is :mod:`dist_kernel.tunnel`). Each node's
 agent connects out, says hello, starts its ranks when told, and relays their Jupyter messages.
 The listener is read on the kernel's event loop: a remote rank's channel hands its messages to
 the listener, which sends them once per node, and gets the rank's frames straight from it (a
@@ -31,8 +33,7 @@ from dist_kernel.parent.fault_policy import RemoteCause
 from dist_kernel.parent.launch.base import GangLauncher
 from dist_kernel.parent.launch.listener import AgentListener
 from dist_kernel.parent.launch.node_starters import default_listen, make_node_starter, node_starter_class
-from dist_kernel.parent.launch.node_starters.base import NodeStarter
-from dist_kernel.parent.launch.node_starters.slurm import SrunEvent, munge_socket
+from dist_kernel.parent.launch.node_starters.base import NodeStarter, Phase
 from dist_kernel.parent.launch.remote_rank import RemoteRank
 from dist_kernel.processes import describe_exit
 
@@ -42,10 +43,10 @@ CONNECT_TIMEOUT = 30.0
 
 
 class RemoteLauncher(GangLauncher):
-    """Starts the node agents (through the node starter that ``--launcher`` names: Slurm or SSH),
-    waits for them, and hands out their ranks.
+    """Starts the node agents (through the node starter that ``--launcher`` names), waits for
+    them, and hands out their ranks.
 
-    ``on_note`` gets progress for the first cell (waiting in the Slurm queue, ...); faults that
+    ``on_note`` gets progress for the first cell (waiting in a batch queue, ...); faults that
     take the gang (a node lost, an agent ending, a rank that exited, the node starter gone) go to
     :attr:`on_fault`."""
 
@@ -69,7 +70,6 @@ class RemoteLauncher(GangLauncher):
         self._events: asyncio.Queue = asyncio.Queue()
         self._queued = False
         self._launched_at = 0.0
-        self._munge = False
         self._fresh_keys: Callable[[], bytes] = bytes
         self.stopped = False
         self._respawns: dict[int, asyncio.Future] = {}  # rank -> its agent's answer to "respawn"
@@ -79,7 +79,7 @@ class RemoteLauncher(GangLauncher):
         GPU and environment on the same node)."""
         old = self.processes[rank]
         assert self.listener is not None
-        if self.stopped or old.gone:  # the whole gang ended (a lost node, scancel): no agent to ask
+        if self.stopped or old.gone:  # the whole gang ended (a lost node, a cancelled job): no agent to ask
             raise RankStartError(f"rank {rank} {old.gone or 'was stopped with every rank'}; restart the kernel "
                                  "to start fresh ranks.")
         answer = asyncio.get_running_loop().create_future()
@@ -109,16 +109,19 @@ class RemoteLauncher(GangLauncher):
             if waiter is not None and not waiter.done():
                 waiter.set_result(event)
 
-    def _on_queue(self, event: SrunEvent) -> None:
-        """What srun says of the job: while it is queued the connect timeout does not run."""
-        if event.kind == "queued":
+    def _on_phase(self, phase: Phase) -> None:
+        """What the node starter says of the nodes it asked for: while they are pending (a
+        batch queue) the connect timeout does not run."""
+        if phase == "pending":
             self._queued = True
-        elif self._queued:  # out of the queue: the connect timeout counts from now
+        elif phase == "started" and self._queued:  # out of the queue: the connect timeout counts from now
             self._queued = False
             self._launched_at = time.monotonic()
-            if self._munge and self.node_starter is not None:
-                with contextlib.suppress(Exception):  # the first credentials may have expired meanwhile
+            if self.node_starter is not None:
+                with contextlib.suppress(Exception):  # sealed keys may have expired meanwhile
                     self.node_starter.send(self._fresh_keys())
+        elif phase == "ended":  # no longer waiting: the starter's failure() says how it ended
+            self._queued = False
 
     async def start(self, ranks: int) -> AsyncIterator[RemoteRank]:
         processes = await self.launch_all()
@@ -128,8 +131,7 @@ class RemoteLauncher(GangLauncher):
     async def launch_all(self) -> dict[int, RemoteRank]:
         """Start the agents and their ranks; raises :class:`RankStartError` naming the node and address."""
         cfg = self.config
-        starter = node_starter_class(cfg)
-        starter.check(cfg)
+        node_starter_class(cfg.launcher).check(cfg)
         address = default_listen(cfg)
         try:  # ZMQ binds to addresses, not names; the nodes then connect to that address too
             address = socket.gethostbyname(address)
@@ -154,41 +156,23 @@ class RemoteLauncher(GangLauncher):
             extra_argv=list(self.extra_argv), parent_pid=os.getpid(), parent_host=socket.gethostname(),
             cwd=os.getcwd(), pythonpath=os.environ.get("PYTHONPATH", ""))
 
-        # srun's stdin crosses the network in clear: wrap the keys in MUNGE credentials, one per
-        # node (nodes may share one munged, which decodes each credential once)
-        self._munge = starter.munge_keys
-        munge_path = munge_socket() if self._munge else None
+        def agent_argv(node: int | None) -> list[str]:  # when the starter starts its processes
+            assert self.node_starter is not None
+            return [sys.executable, "-m", "dist_kernel.node", "--parent", self.endpoint,
+                    *self.node_starter.agent_flags(), *(["--node-rank", str(node)] if node is not None else [])]
 
-        def keys() -> bytes:
-            if not self._munge:
-                return boot.encode()
-            try:
-                return b"".join(tunnel.munge_wrap(boot.encode(), munge_path) for _ in range(cfg.nodes))
-            except (OSError, tunnel.TunnelError) as e:
-                raise RankStartError(f"cannot protect the keys for the nodes with MUNGE: {e}. Fix: run the kernel "
-                                     "on a machine of the Slurm cluster (munge installed, munged running).") from None
-
-        self._fresh_keys = keys
-
-        def agent_argv(node: int | None) -> list[str]:
-            argv = [sys.executable, "-m", "dist_kernel.node", "--parent", self.endpoint]
-            if self._munge:
-                argv += ["--munge", *(["--munge-socket", munge_path] if munge_path else [])]
-            return argv + (["--node-rank", str(node)] if node is not None else [])
-
-        self.node_starter = make_node_starter(cfg, agent_argv, self.runtime_dir, self.log, self.on_note,
-                                              on_queue=self._on_queue)
+        starter = self.node_starter = make_node_starter(cfg, agent_argv, self.runtime_dir, self.log, self.on_note,
+                                                        on_phase=self._on_phase)
+        self._fresh_keys = lambda: starter.seal(boot.encode())  # as the starter's processes carry them
         self._launched_at = time.monotonic()
-        await self.node_starter.start(keys())
+        await starter.start(self._fresh_keys())
 
         hellos = await self._gather("hello", lambda n: f"node {n} never connected to the parent at {self.endpoint}")
         master_addr = hellos[0]["address"]
         master_port = int(hellos[0]["master_port"])  # the kernel's TCPStore, held for its life
         user_port = int(hellos[0].get("user_port", master_port))  # the ranks' MASTER_PORT: free for env://
         self.master = (master_addr, master_port)
-        job = next((h.get("job") for h in hellos.values() if h.get("job")), None)
-        if job:
-            self.node_starter.note_job(str(job))
+        starter.hello(hellos)
         for n in range(cfg.nodes):
             self.listener.send_ctl(n, {"type": "start", "master_addr": master_addr, "master_port": user_port})
         started = await self._gather("started", lambda n: f"node {n} ({self._host(n)}) did not start its ranks")
@@ -265,8 +249,8 @@ class RemoteLauncher(GangLauncher):
         if kind == "exited":
             # a rank exited (the OOM killer, a crash): one rank's death, as on one machine (the
             # survivors keep their variables; %dist_respawn asks its agent for a new one). SIGTERM
-            # comes from outside (scancel, a time limit), which takes every rank: a fault of the
-            # gang, whose cause the agent's own word names better
+            # comes from outside (a cancelled job, a time limit), which takes every rank: a fault
+            # of the gang, whose cause the agent's own word names better
             proc = self.processes.get(int(event["rank"]))
             if proc is not None and proc.returncode is None:
                 proc.log = str(event.get("log") or "")
@@ -282,7 +266,7 @@ class RemoteLauncher(GangLauncher):
             for r in ranks:
                 self.processes[r].gone = f"was lost with its node {host} (silent for {event['silent']:.0f}s)"
             self.on_fault(RemoteCause("lost", f"node {node} ({host}) stopped answering for {event['silent']:.0f}s "
-                                              "(link down, the node agent killed, or the Slurm job ended)", ranks))
+                                              "(link down, the node agent killed, or its job ended)", ranks))
 
     def sample(self, on: bool) -> None:
         if self.listener is not None:
@@ -297,25 +281,25 @@ class RemoteLauncher(GangLauncher):
         return self.node_starter.failure()
 
     def state(self) -> dict:
-        """The starter processes (srun, ssh) and the Slurm job: the ranks' pids mean nothing
-        here, their agents end them."""
+        """The node starter's launch record (its kind, processes, and what else it started): the
+        ranks' pids mean nothing here, their agents end them."""
         if self.node_starter is None:
-            return {"launchers": [], "slurm": None}
-        return self.node_starter.state()
+            return {}
+        return self.node_starter.launch_record().to_json()
 
     def record(self) -> None:
         if self.node_starter is not None:
             self.node_starter.record()
 
     async def stop(self, now: bool = False) -> None:  # now unused: the agents end their ranks at once
-        """Tell every agent to stop (they end their ranks), then end the node starter (srun/ssh) and the listener."""
+        """Tell every agent to stop (they end their ranks), then end the node starter and the listener."""
         if self.node_starter is not None:
-            self.node_starter.expect_exit()  # srun/ssh ending now is no failure
+            self.node_starter.expect_exit()  # its processes ending now is no failure
         if self.listener is not None and not self.stopped:
             self.stopped = True
             for n in range(self.config.nodes):
                 self.listener.send_ctl(n, {"type": "stop"})
-            await asyncio.sleep(0.3)  # the agents end their ranks; srun/ssh then end by themselves
+            await asyncio.sleep(0.3)  # the agents end their ranks; the starter's processes then end by themselves
         self.stopped = True
         if self.node_starter is not None:
             with contextlib.suppress(Exception):
@@ -332,6 +316,6 @@ class RemoteLauncher(GangLauncher):
             time.sleep(0.2)
         if self.node_starter is not None:
             with contextlib.suppress(Exception):
-                self.node_starter.stop_sync()  # SIGTERM srun/ssh, scancel a job of our own
+                self.node_starter.stop_sync()  # its processes, then what else it started (a job of our own)
         if self.listener is not None:
             self.listener.close()

@@ -1,19 +1,26 @@
 """Starting the node agents of a multi-node kernel: the starter processes (issue 13).
 
-The parent starts one node agent per machine (``python -m dist_kernel.node ...``) through
-Slurm's ``srun`` (:mod:`~dist_kernel.parent.launch.node_starters.slurm`) or ``ssh``
-(:mod:`~dist_kernel.parent.launch.node_starters.ssh`); :class:`NodeStarter` is what both share:
-the starter processes themselves (srun, or one ssh per host), each a :class:`StarterProcess`.
+The parent starts one node agent per machine (``python -m dist_kernel.node ...``) through a
+node starter of the kind ``--launcher`` names (the table: :mod:`dist_kernel.launchers`; Slurm:
+:mod:`~dist_kernel.parent.launch.node_starters.slurm`, ssh:
+:mod:`~dist_kernel.parent.launch.node_starters.ssh`). :class:`NodeStarter` is what every kind
+shares: the starter processes themselves (one for every node, or one per host), each a
+:class:`StarterProcess`, and what it started, recorded and ended.
 
 The agents' keys (the *bootstrap*, one JSON line) go to each agent on its stdin, never in argv
-or the environment; srun's ``--input=all`` gives every task the line. Stdin then stays open:
-its EOF (the starter stopped, or the parent died and the kernel closed the pipe) tells each
-agent to end everything. Each starter process's stderr (srun's messages, ssh's errors, the
-agents' own stderr) is read continuously into a bounded tail that :meth:`NodeLauncher.failure`
-quotes when a starter process exits.
+or the environment (:meth:`NodeStarter.seal` wraps them where that stdin crosses the network in
+clear). Stdin then stays open: its EOF (the starter stopped, or the parent died and the kernel
+closed the pipe) tells each agent to end everything. Each starter process's output (the batch
+system's messages, ssh's errors, the agents' own stderr) is read continuously into a bounded
+tail that :meth:`NodeStarter.failure` quotes when a starter process exits; a kind reads its own
+lines (:meth:`NodeStarter._on_line`) and says what the rest of the launch package needs as a
+:data:`Phase`.
 
-A SIGKILLed parent cannot stop its starter processes: they are recorded in ``RUNTIME_DIR/launch.json``
-and the reaper (or the next sweep) ends them and cancels the job (cleanup.end_launch).
+A SIGKILLed parent cannot stop what its starter started: each starter records it in
+``RUNTIME_DIR/launch.json`` (a :class:`~dist_kernel.cleanup.LaunchRecord`: its kind, its
+processes, and an opaque record of the rest, :meth:`NodeStarter.started`) and knows how to end
+a recorded start (:meth:`NodeStarter.end_recorded`), which the reaper and the next sweep call
+by kind (:func:`dist_kernel.parent.launch.node_starters.end_launch`).
 """
 
 from __future__ import annotations
@@ -29,12 +36,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
-from dist_kernel.cleanup import LAUNCH_FILE
+from dist_kernel.cleanup import LAUNCH_FILE, LaunchRecord, Proc, end_processes
 from dist_kernel.exceptions import ConfigError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.reaper import write_launch
 from dist_kernel.processes import describe_exit
 
 #: stderr lines kept per starter process
@@ -43,6 +49,11 @@ TAIL_LINES = 40
 QUOTED_LINES = 8
 #: seconds stop() waits after closing stdin (the agents end themselves), after SIGTERM, after SIGKILL
 STOP_GRACE, STOP_TERM_WAIT, STOP_KILL_WAIT = 1.0, 2.0, 0.5
+
+#: what a starter says of the nodes it asked for, all the rest of the launch package hears of a
+#: batch system: waiting for them (a queue), given them, or the grant ended under the kernel
+#: (cancelled, out of time; :meth:`NodeStarter.failure` says how)
+Phase = Literal["pending", "started", "ended"]
 
 
 def run_quiet(argv: list[str], environ: Mapping[str, str] | None, timeout: float = 10.0) -> str | None:
@@ -56,9 +67,9 @@ def run_quiet(argv: list[str], environ: Mapping[str, str] | None, timeout: float
 
 
 def exit_words(label: str, returncode: int, tail: Sequence[str]) -> str:
-    """``"srun exited with code 1: srun: error: ..."``: how a starter process ended, with the
-    last lines it printed."""
-    how = describe_exit(returncode, oom_hint=False)  # a killed srun was not short of memory
+    """``"ssh to n2 exited with code 255: ssh: connect to host ..."``: how a starter process
+    ended, with the last lines it printed."""
+    how = describe_exit(returncode, oom_hint=False)  # a killed starter process was not short of memory
     lines = [ln for ln in tail if ln.strip()][-QUOTED_LINES:]
     if not lines:
         return f"{label} {how} (it printed nothing)"
@@ -66,7 +77,7 @@ def exit_words(label: str, returncode: int, tail: Sequence[str]) -> str:
 
 
 class StarterProcess:
-    """One starter process (srun, or ssh to one host) and what it printed."""
+    """One starter process (the batch system's, for every node, or ssh to one host) and what it printed."""
 
     def __init__(self, label: str, popen: subprocess.Popen, host: str | None) -> None:
         self.label = label
@@ -97,21 +108,19 @@ class StarterProcess:
 
 
 class NodeStarter:
-    """Starts one node agent per node and ends them; see the module docstring.
+    """Starts one node agent per node, records what it started, and ends it; see the module docstring.
 
-    ``agent_argv(node_rank)`` is the argv of the agent of one node (``None`` for Slurm, where
-    one argv serves every node and the agent reads ``SLURM_NODEID``). ``on_note`` gets progress
-    for the first cell (waiting in the Slurm queue, ...) and ``on_failure`` the words of the
-    first starter process that exits unexpectedly; both are called in the event loop that
+    ``agent_argv(node_rank)`` is the argv of the agent of one node (``None`` where one argv
+    serves every node and the agent learns its node rank from the batch system). ``on_note``
+    gets progress for the first cell (waiting in a queue, ...) and ``on_failure`` the words of
+    the first starter process that exits unexpectedly; both are called in the event loop that
     ran :meth:`start`. ``environ``: the environment of the starter processes (default
-    ``os.environ``; it also says whether the kernel runs inside a Slurm allocation).
+    ``os.environ``; it also says whether the kernel runs inside a batch allocation).
     """
 
-    #: the ``--launcher`` value this starter serves (a key of :data:`~dist_kernel.parent.launch.node_starters.NODE_STARTERS`)
-    kind = "base"
-    #: whether the agents' keys cross the network in clear on the way (srun's stdin): then they
-    #: travel wrapped in MUNGE credentials
-    munge_keys = False
+    #: the ``--launcher`` kind this starter serves (its row in :data:`dist_kernel.launchers.KINDS`);
+    #: "" only for a record that names no kind (processes alone)
+    kind = ""
 
     def __init__(self, config: KernelConfig, agent_argv: Callable[[int | None], list[str]], runtime_dir: str,
                  log: logging.Logger, on_note: Callable[[str], None],
@@ -124,7 +133,6 @@ class NodeStarter:
         self.on_note = on_note
         self.on_failure = on_failure
         self.environ = dict(os.environ if environ is None else environ)
-        self.job_id: str | None = None
         self._children: list[StarterProcess] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.RLock()
@@ -132,9 +140,9 @@ class NodeStarter:
         self._stopping = False
         self._stopped = False
         self._failure_reported = False
-        #: told of each thing the starter says of a queued job (srun: queued, allocated, ...), in
-        #: the loop of :meth:`start`; ssh has no queue and never calls it
-        self.on_queue: Callable[[Any], None] | None = None
+        #: told of each :data:`Phase` of the nodes asked for (pending in a queue, started, ended), in
+        #: the loop of :meth:`start`; a kind without a queue (ssh) never calls it
+        self.on_phase: Callable[[Phase], None] | None = None
 
     # ------------------------------------------------------------- before starting
     @classmethod
@@ -154,11 +162,37 @@ class NodeStarter:
     def hosts(self) -> list[str] | None:
         return None
 
-    def _slurm_record(self) -> dict | None:
-        return None
+    def agent_flags(self) -> list[str]:
+        """More arguments for every agent's command line (how to open sealed keys)."""
+        return []
+
+    def seal(self, bootstrap: bytes) -> bytes:
+        """The key line(s) the agents read on stdin: ``bootstrap`` itself, unless that stdin
+        crosses the network in clear. Called again once the nodes are given after a wait
+        (:meth:`send`): a seal may expire meanwhile, and an agent takes the first line it opens."""
+        return bootstrap
+
+    def hello(self, hellos: Mapping[int, dict]) -> None:
+        """What the node agents said when they connected (under a batch system, the job they run in)."""
+
+    def started(self) -> dict[str, Any]:
+        """What this starter started besides its processes, as the launch record keeps it (a
+        batch job: its id and name): opaque to all but :meth:`end_recorded`. JSON-able."""
+        return {}
+
+    @classmethod
+    def end_recorded(cls, record: LaunchRecord, term_wait: float = STOP_TERM_WAIT) -> tuple[list[Proc], list[str]]:
+        """End a start this kind recorded (its kernel is gone: the reaper, the sweep): its
+        starter processes, SIGTERM then SIGKILL; a kind that started more ends that too, after
+        them. Returns the processes ended and what else was ended, in words."""
+        return end_processes(record.pids, term_wait), []
 
     def _on_line(self, child: StarterProcess, line: str) -> None:
-        pass
+        """A line a starter process printed: a kind reads its batch system's words here."""
+
+    def _phase(self, phase: Phase) -> None:
+        if self.on_phase is not None:
+            self._call_in_loop(self.on_phase, phase)
 
     # ------------------------------------------------------------- start
     async def start(self, bootstrap: bytes) -> None:
@@ -179,7 +213,7 @@ class NodeStarter:
             try:
                 popen = subprocess.Popen(
                     argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    env=self.environ, start_new_session=True)  # a Ctrl-C at the parent is not for srun
+                    env=self.environ, start_new_session=True)  # a Ctrl-C at the parent is not for them
             except OSError as e:
                 raise ConfigError(f"cannot run {argv[0]} for {label}: {e.strerror or e}. Fix: install it "
                                   f"or put it on the kernel's PATH, then restart the kernel.") from None
@@ -197,7 +231,7 @@ class NodeStarter:
                              name=f"dist_kernel {label} keys").start()
 
     def send(self, lines: bytes) -> None:
-        """More lines for every agent's stdin (fresh MUNGE-wrapped keys once the job left the queue)."""
+        """More lines for every agent's stdin (freshly sealed keys once the nodes were given)."""
         with self._lock:
             children = list(self._children)
         for child in children:
@@ -246,20 +280,20 @@ class NodeStarter:
         if self._stopped or not os.path.isdir(self.runtime_dir):
             return
         try:
-            write_launch(self.runtime_dir, self.local_pids(), self._slurm_record())
+            self.launch_record().write(self.runtime_dir)
         except OSError as e:
             self.log.warning("cannot write %s: %s", LAUNCH_FILE, e)
 
     # ------------------------------------------------------------- state
-    def state(self) -> dict:
-        """What the reaper and the sweep need to end these processes (launch.json)."""
-        return {"launchers": self.local_pids(), "slurm": self._slurm_record()}
+    def launch_record(self) -> LaunchRecord:
+        """What the reaper and the sweep need to end this start (launch.json)."""
+        return LaunchRecord.of(self.kind, self.local_pids(), self.started())
 
     def record(self) -> None:
         self._record()
 
     def local_pids(self) -> list[int]:
-        """The starter processes' pids (srun, ssh), for the reaper."""
+        """The starter processes' pids, for the reaper."""
         with self._lock:
             return [c.popen.pid for c in self._children]
 
@@ -284,9 +318,6 @@ class NodeStarter:
             first.read_all = True
         return exit_words(first.label, first.popen.returncode, list(first.tail))
 
-    def note_job(self, job_id: str) -> None:
-        """The Slurm job id, as an agent reported it (srun says nothing when the job starts at once)."""
-
     def expect_exit(self) -> None:
         """The starter processes are about to end on purpose (the parent told the agents to
         stop): from now on their exit is no failure. :meth:`stop` still ends what is left."""
@@ -294,7 +325,7 @@ class NodeStarter:
 
     # ------------------------------------------------------------- stop
     async def stop(self) -> None:
-        """End every starter process and the kernel's Slurm job; idempotent, a few seconds at most."""
+        """End every starter process and what else it started; idempotent, a few seconds at most."""
         await asyncio.get_running_loop().run_in_executor(None, self.stop_sync)
 
     def stop_sync(self) -> None:
@@ -310,7 +341,7 @@ class NodeStarter:
                 with contextlib.suppress(OSError):
                     if c.popen.stdin is not None:
                         c.popen.stdin.close()
-            self._cancel(_end_processes(children))
+            self._end_started(_end_processes(children))
             for c in children:
                 if c.reader is not None:
                     c.reader.join(timeout=0.5)
@@ -322,13 +353,14 @@ class NodeStarter:
                 os.unlink(os.path.join(self.runtime_dir, LAUNCH_FILE))
             self.log.info("%s node starter stopped in %.2fs", self.kind, time.monotonic() - t0)
 
-    def _cancel(self, srun_killed: bool) -> None:
-        """Slurm: cancel the kernel's job (or its leftover step in the user's allocation)."""
+    def _end_started(self, killed: bool) -> None:
+        """End what this kind started besides its processes, once they ended (``killed``: one
+        needed SIGKILL, so it may have left work behind)."""
 
 
 def _end_processes(children: Sequence[StarterProcess]) -> bool:
     """Wait for the starter processes to end, then SIGTERM, then SIGKILL those still running,
-    each after its grace; True when any got SIGKILL (a killed srun may leave its job step: cancelled then)."""
+    each after its grace; True when any got SIGKILL (a killed starter process may leave work behind)."""
     killed = False
     for sig, wait in ((None, STOP_GRACE), (signal.SIGTERM, STOP_TERM_WAIT), (signal.SIGKILL, STOP_KILL_WAIT)):
         running = [c for c in children if c.popen.poll() is None]

@@ -4,21 +4,30 @@ Inside the user's allocation (``SLURM_JOB_ID`` set) it is a job step of that all
 outside one, ``srun`` asks for a job itself (with ``--slurm-args``), says on stderr when the
 job waits in the queue, and the kernel cancels that job at the end. The node rank is
 ``SLURM_NODEID``. What srun says of the job is read as typed events (:class:`SrunEvent`,
-:class:`SlurmCancel`), never as sentences searched for words downstream.
+:class:`SlurmCancel`), never as sentences searched for words downstream; the rest of the launch
+package hears only their :data:`~.base.Phase` (pending, started, ended).
+
+Everything of Slurm lives here: the commands (``srun``, ``scancel``, ``squeue``, ``scontrol``),
+the job ids, srun's messages, and the MUNGE credentials the keys travel in (srun's stdin crosses
+the cluster network in clear). The launch record keeps the job (:meth:`SlurmNodeStarter.started`);
+:meth:`SlurmNodeStarter.end_recorded` cancels it for a kernel that is gone.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import re
+import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
-from dist_kernel.cleanup import RUNTIME_PREFIX, cancel_slurm, user_name
-from dist_kernel.exceptions import ConfigError
+from dist_kernel import tunnel
+from dist_kernel.cleanup import RUNTIME_PREFIX, LaunchRecord, Proc
+from dist_kernel.exceptions import ConfigError, RankStartError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.launch.node_starters.base import NodeStarter, StarterProcess, run_quiet
+from dist_kernel.parent.launch.node_starters.base import STOP_TERM_WAIT, NodeStarter, Phase, StarterProcess, run_quiet
 from dist_kernel.parent.launch.node_starters.routes import checked_source, this_host_names
 
 _QUEUED = re.compile(r"\bjob (\d+) queued and waiting for resources")
@@ -33,6 +42,9 @@ _CANCELLED = re.compile(r"\*\*\* (?:STEP|JOB) (\d+)(?:\.\S+)? ON (\S+) CANCELLED
 _SRUN_ENDS_STEP = re.compile(r"^srun: (?:error: \S+: tasks? [0-9,-]+: (?!Terminated)|.*Terminating StepId=)")
 
 SrunKind = Literal["queued", "allocated", "granted", "step_busy"]
+#: what each of srun's words means to the rest of the launch package (a step waiting for busy
+#: CPUs is a note, not a queue: the connect timeout runs, and the note says how to fix it)
+PHASES: dict[SrunKind, Phase] = {"queued": "pending", "allocated": "started", "granted": "started"}
 
 
 class SrunEvent(NamedTuple):
@@ -174,6 +186,53 @@ def slurmctld_host(environ: Mapping[str, str] | None = None) -> str | None:
     return parse_slurmctld_host(run_quiet(["scontrol", "show", "config"], environ) or "")
 
 
+def user_name() -> str:
+    """This user's name: ``scancel --user`` takes it."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
+
+
+def _slurm_run(argv: list[str], slurm_conf: str | None, timeout: float = 5.0) -> subprocess.CompletedProcess | None:
+    env = dict(os.environ)
+    if slurm_conf:
+        env["SLURM_CONF"] = slurm_conf
+    try:
+        return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def cancel_job(job: Mapping[str, Any]) -> list[str]:
+    """Cancel what a Slurm starter's record names (:meth:`SlurmNodeStarter.started`); returns
+    the ``scancel`` calls made (their arguments).
+
+    The kernel's own job (``own_job``): ``scancel --user U --name NAME [JOB]``, filters that
+    Slurm ANDs, so only a job of this user with the kernel's unique name is ever cancelled
+    (also one whose id was never learnt). Inside the user's allocation only the steps of that
+    job with the kernel's name are cancelled, never the allocation.
+    """
+    name, job_id = job.get("name"), job.get("job")
+    user = job.get("user") or user_name()
+    conf = job.get("slurm_conf")
+    if not name:
+        return []
+    calls: list[list[str]] = []
+    if job.get("own_job"):
+        calls.append(["scancel", f"--user={user}", f"--name={name}", *([str(job_id)] if job_id else [])])
+    elif job_id:
+        listed = _slurm_run(["squeue", "-h", "-s", "-j", str(job_id), "-o", "%i %j"], conf)
+        for line in (listed.stdout.splitlines() if listed and listed.returncode == 0 else []):
+            parts = line.split(None, 1)
+            if len(parts) == 2 and parts[1].strip() == name and parts[0].startswith(f"{job_id}."):
+                calls.append(["scancel", parts[0]])
+    for argv in calls:
+        _slurm_run(argv, conf)
+    return [" ".join(argv[1:]) for argv in calls]
+
+
 def munge_socket(environ: Mapping[str, str] | None = None) -> str | None:
     """The MUNGE socket Slurm uses (``AuthInfo = socket=PATH``), or None for munged's default."""
     m = re.search(r"^\s*AuthInfo\s*=.*\bsocket=([^,\s]+)", run_quiet(["scontrol", "show", "config"], environ) or "", re.M)
@@ -195,7 +254,6 @@ class SlurmNodeStarter(NodeStarter):
     """One ``srun`` starts the agents on every node; see :func:`srun_argv`."""
 
     kind = "slurm"
-    munge_keys = True  # srun's stdin crosses the cluster network in clear
 
     @classmethod
     def check(cls, config: KernelConfig, environ: Mapping[str, str] | None = None) -> None:
@@ -238,15 +296,53 @@ class SlurmNodeStarter(NodeStarter):
         self._allocated_noted = False
         self.cancelled: SlurmCancel | None = None  # Slurm's word that it ended the job or step
         self._srun_ended_step = False  # srun ended the step itself first (a task failed)
+        self._munge_socket: list[str | None] = []  # munged's socket, once asked (scontrol, once)
 
     def commands(self) -> list[tuple[str, str | None, list[str]]]:
         argv = srun_argv(self.config.nodes, self.config.slurm_args,
                          self.agent_argv(None), job_name(self.runtime_dir))
         return [("srun", None, argv)]
 
-    def _slurm_record(self) -> dict | None:
+    def started(self) -> dict[str, Any]:
+        """The job: its id (None until srun or an agent says it), the kernel's unique job name,
+        the user, whether the kernel asked for it (else it is the user's allocation, of which
+        only the kernel's step is ever cancelled), and the ``SLURM_CONF`` to reach Slurm with."""
         return {"job": self.job_id, "name": self.name, "user": user_name(), "own_job": self.own_job,
                 "slurm_conf": self.environ.get("SLURM_CONF")}
+
+    @classmethod
+    def end_recorded(cls, record: LaunchRecord, term_wait: float = STOP_TERM_WAIT) -> tuple[list[Proc], list[str]]:
+        """srun first (SIGTERM: it cancels its step itself), then ``scancel`` the job (or the
+        kernel's leftover step in the user's allocation)."""
+        ended, words = super().end_recorded(record, term_wait)
+        return ended, words + [f"cancelled Slurm job: scancel {call}" for call in cancel_job(record.started)]
+
+    # ------------------------------------------------------------- the keys: MUNGE credentials
+    def _munge_path(self) -> str | None:
+        if not self._munge_socket:
+            self._munge_socket.append(munge_socket(self.environ))
+        return self._munge_socket[0]
+
+    def agent_flags(self) -> list[str]:
+        path = self._munge_path()
+        return ["--munge", *(["--munge-socket", path] if path else [])]
+
+    def seal(self, bootstrap: bytes) -> bytes:
+        """srun's stdin crosses the network in clear: the keys go wrapped in MUNGE credentials,
+        one per node (nodes may share one munged, which decodes each credential once)."""
+        path = self._munge_path()
+        try:
+            return b"".join(tunnel.munge_wrap(bootstrap, path) for _ in range(self.config.nodes))
+        except (OSError, tunnel.TunnelError) as e:
+            raise RankStartError(f"cannot protect the keys for the nodes with MUNGE: {e}. Fix: run the kernel "
+                                 "on a machine of the Slurm cluster (munge installed, munged running).") from None
+
+    # ------------------------------------------------------------- the job
+    def hello(self, hellos: Mapping[int, dict]) -> None:
+        """The job id the agents read from ``SLURM_JOB_ID`` (srun says nothing when the job starts at once)."""
+        job = next((h.get("job") for h in hellos.values() if h.get("job")), None)
+        if job:
+            self.note_job(str(job))
 
     def note_job(self, job_id: str) -> None:
         job_id = str(job_id).strip()
@@ -271,12 +367,13 @@ class SlurmNodeStarter(NodeStarter):
         cancel = parse_cancel_line(line)
         if cancel is not None and self.cancelled is None and not self._srun_ended_step:
             self.cancelled = cancel
+            self._phase("ended")
         parsed = parse_srun_line(line)
         if parsed is None:
             return
-        if self.on_queue is not None:
-            self._call_in_loop(self.on_queue, parsed)
         kind, job = parsed
+        if kind in PHASES:
+            self._phase(PHASES[kind])
         if kind in ("queued", "allocated", "granted"):
             self.note_job(job)
         if kind == "queued":
@@ -291,9 +388,11 @@ class SlurmNodeStarter(NodeStarter):
                        f"its CPUs (JupyterLab itself started with srun?). Add --overlap to --slurm-args, "
                        f"or start JupyterLab without srun in the allocation.")
 
-    def _cancel(self, srun_killed: bool) -> None:
-        if self.own_job or srun_killed:
-            made = cancel_slurm(self._slurm_record() or {})
+    def _end_started(self, killed: bool) -> None:
+        """The kernel's own job always; a step in the user's allocation only when srun was
+        killed (srun ending by itself ended its step)."""
+        if self.own_job or killed:
+            made = cancel_job(self.started())
             if made:
                 self.log.info("scancel %s", "; scancel ".join(made))
 
