@@ -37,6 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ENV_VAR = "DIST_KERNEL_RUNTIME_DIR"
+#: the rank a process belongs to (placement.rank_env sets it in each rank; what it starts inherits it)
+RANK_VAR = "DIST_KERNEL_RANK"
+_MARKER = ENV_VAR.encode() + b"="
+_RANK = RANK_VAR.encode() + b"="
 RUNTIME_PREFIX = "dist_kernel-"
 PIDS_FILE = "ranks.pids"
 #: what the node starter of a multi-node kernel started (a :class:`LaunchRecord`)
@@ -58,6 +62,7 @@ class Proc:
     sid: int
     marker: str | None  # the value of DIST_KERNEL_RUNTIME_DIR in its environment
     argv: list[str]
+    rank: str | None = None  # the value of DIST_KERNEL_RANK in its environment: the rank that started it
 
     def describe(self) -> str:
         return f"pid {self.pid}: {' '.join(self.argv)[:120] or '?'}"
@@ -203,15 +208,17 @@ def processes() -> dict[int, Proc]:
             fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
             if fields[0] in (b"Z", b"X") or _pid_ns(pid) != ns:
                 continue
-            marker = None
+            marker = rank = None
             try:
                 for var in _read(f"/proc/{pid}/environ").split(b"\0"):
-                    if var.startswith(ENV_VAR.encode() + b"="):
-                        marker = os.fsdecode(var[len(ENV_VAR) + 1:])
+                    if var.startswith(_MARKER):
+                        marker = os.fsdecode(var[len(_MARKER):])
+                    elif var.startswith(_RANK):
+                        rank = os.fsdecode(var[len(_RANK):])
             except OSError:  # not readable (a setuid program): judged by its session only
                 pass
             argv = [os.fsdecode(a) for a in _read(f"/proc/{pid}/cmdline").split(b"\0") if a]
-            procs[pid] = Proc(pid, int(fields[1]), int(fields[2]), int(fields[3]), marker, argv)
+            procs[pid] = Proc(pid, int(fields[1]), int(fields[2]), int(fields[3]), marker, argv, rank)
         except (OSError, IndexError, ValueError):
             continue  # exited while we looked
     return procs
@@ -309,6 +316,33 @@ def kill_kernel_processes(runtime_dir: str, rank_pids: Iterable[int] | None = No
     pids = list(rank_pids) if rank_pids is not None else read_pids(runtime_dir)
     return kill_selected(lambda procs: select(procs, lambda d: os.path.normpath(d) == target,
                                               pids, trust_rank_sessions))
+
+
+def select_rank(procs: dict[int, Proc], runtime_dir: str, rank: int, pid: int | None,
+                spare: Iterable[int] = ()) -> list[Proc]:
+    """What a dead rank of a live kernel left: the processes that name the kernel's runtime dir
+    and the rank (what it started, also those that left its session: ``os.setsid``), the
+    members of its session and group (a child with a scrubbed environment), and of sessions and
+    groups those hold whose leader is gone. Never the sessions of ``spare`` (the live ranks).
+    The rank's own pid counts as a session only while no live process holds it (Linux never
+    reuses a pid that is still a session or group id; once none is left, it may be reused)."""
+    target = os.path.normpath(runtime_dir)
+    named = {p.pid for p in procs.values()
+             if p.rank == str(rank) and p.marker is not None and os.path.normpath(p.marker) == target}
+    held = {i for q in named for i in (procs[q].sid, procs[q].pgid)}
+    leaders = named | {i for i in held if _leader_gone(i, procs)}
+    if pid is not None and pid not in procs:
+        leaders.add(pid)
+    keep = _protected(procs) | set(spare)
+    return [p for p in procs.values() if p.pid not in keep and p.sid not in keep and p.pgid not in keep
+            and (p.pid in leaders or p.sid in leaders or p.pgid in leaders)]
+
+
+def kill_rank_processes(runtime_dir: str, rank: int, pid: int | None, spare: Iterable[int] = ()) -> list[Proc]:
+    """End what a rank that died left behind while its kernel lives on (:func:`select_rank`),
+    as shutdown ends every rank's: called before a rank of that number starts again."""
+    spared = list(spare)
+    return kill_selected(lambda procs: select_rank(procs, runtime_dir, rank, pid, spared))
 
 
 # ------------------------------------------------------------------ what node starters started

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent / "cluster"))  # cluster_lab, one module for every lane
 
 from cluster_lab import hold_lab, release_lab
-from harness import GROUP_SETUP, DistKernel, cpu_hogs, kernel_for_module
+from harness import cpu_hogs, group_kernel_for_module, kernel_for_module
 
 TESTS = Path(__file__).parent
 #: the lanes whose tests start real kernels or processes
@@ -101,8 +101,5 @@ def artifacts() -> Path:
 @pytest.fixture(scope="module")
 def group_kernel():
     """2 ranks, a 2 s hang grace, torch imported and ``kept`` defined: for group faults."""
-    k = DistKernel("--ranks", "2", "--hang-grace", "2")
-    k.execute(GROUP_SETUP)
-    yield k
-    k.shutdown()
+    yield from group_kernel_for_module("--ranks", "2", "--hang-grace", "2")
 

@@ -171,6 +171,14 @@ def kernel_for_module(*options: str) -> Iterator[DistKernel]:
         k.shutdown()
 
 
+def group_kernel_for_module(*options: str) -> Iterator[DistKernel]:
+    """Body of a module-scoped fixture: :func:`kernel_for_module` with torch imported and ``kept``
+    defined on every rank (``GROUP_SETUP``), for tests of the process group."""
+    for k in kernel_for_module(*options):
+        assert k.execute(GROUP_SETUP).status == "ok"
+        yield k
+
+
 #: a busy loop that ends as soon as the process that started it is gone (a killed test run leaves no hog)
 _HOG = "import os\np = os.getppid()\nwhile os.getppid() == p:\n    sum(range(10000))\n"
 

@@ -164,6 +164,10 @@ class NodeAgent:
         if old is None or old.proc.poll() is None:
             raise RuntimeError(f"rank {rank} is {'running' if old else 'not on this node'}")
         self.retired += old.sockets.values()
+        from dist_kernel.cleanup import kill_rank_processes  # what the dead one started ends with it
+
+        kill_rank_processes(self.runtime_dir, rank, old.proc.pid,
+                            [c.proc.pid for c in self.ranks.values() if c.proc.poll() is None])
         self.start_rank(rank)
         self.send_ctl({"type": "respawned", "rank": rank, "pid": self.ranks[rank].proc.pid})
 

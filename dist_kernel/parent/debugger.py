@@ -18,6 +18,12 @@ freed as after any interrupt (fault rule 4).
 A debug session (the frontend's ``initialize``, ``attach``, breakpoints and
 ``configurationDone``) is kept, so that ``%dist_debug N`` moves it to rank N: the old rank's
 session ends (``disconnect``), the new rank gets the same requests. Shutdown and restart end it.
+
+The session lives in one process. When the debugged rank dies, it is no longer stopped (a stale
+"stopped" would keep the fault policy waiting for good) and the frontend hears its threads go on;
+when a new process takes the rank's place (``%dist_respawn``, ``--respawn on``, ``%dist_ranks``),
+the session is set up there again before the next cell or debug request reaches it
+(:meth:`DebugSession.follow`), and nothing is asked of a process that never had it.
 """
 
 from __future__ import annotations
@@ -111,6 +117,7 @@ class DebugSession:
         self._setup: dict[str, dict] = {}  # initialize, attach, as the frontend sent them
         self._breakpoints: dict[str, dict] = {}  # source path -> the latest setBreakpoints request
         self._configured: dict | None = None  # the configurationDone request, once sent
+        self._on: int | None = None  # the pid of the process that holds the session
 
     # --------------------------------------------------------------- state
     @property
@@ -143,9 +150,17 @@ class DebugSession:
             return error_response(content, f"rank {self.rank} is not running (yet): the debugger "
                                   "talks to it once it is.")
         if command == "disconnect":
+            if self.active and ranks.pid(self.rank) != self._on:  # its process, and the session, are gone
+                self._forget()
+                return {"type": "response", "request_seq": content.get("seq", 0), "seq": 0, "success": True,
+                        "command": command}
             # never end the rank's process (a frontend may ask): the group would lose a rank
             content["arguments"] = dict(content.get("arguments") or {}, terminateDebuggee=False)
+        else:
+            await self.follow(ranks)
         reply = await self._forward(ranks, self.rank, content)
+        if command in SETUP and reply.get("success", True):
+            self._on = ranks.pid(self.rank)
         self._remember(content, reply)
         return reply
 
@@ -178,6 +193,39 @@ class DebugSession:
         self._breakpoints.clear()
         self._configured = None
         self.stopped.clear()
+        self._on = None
+
+    # ------------------------------------------------- the rank replaced
+    def rank_died(self, rank: int) -> None:
+        """A rank's process is gone. The debugged one is stopped no longer (the fault policy
+        must not wait for it), and the frontend hears its stopped threads go on."""
+        if rank != self.rank or not self.stopped:
+            return
+        threads = [t for t in self.stopped if t != "all"]
+        self.stopped.clear()
+        self.publish(self._parent, "debug_event", {
+            "seq": 0, "type": "event", "event": "continued",
+            "body": {"threadId": threads[0] if threads else 1, "allThreadsContinued": True}})
+
+    async def follow(self, ranks: Ranks) -> None:
+        """Set the session up again on a process that took the debugged rank's place (a respawn,
+        ``%dist_ranks``), so that its breakpoints hit and its requests are answered: the
+        frontend does not know the process changed."""
+        rank = self.rank
+        if rank is None or not self.active or not ranks.alive(rank) or ranks.pid(rank) == self._on:
+            return
+        self.stopped.clear()
+        await self._set_up(ranks, rank)
+
+    async def _set_up(self, ranks: Ranks, rank: int) -> None:
+        """The session's requests, replayed on ``rank`` (moved there, or its process replaced)."""
+        requests = [*(self._setup[c] for c in SETUP if c in self._setup), *self._breakpoints.values(),
+                    *([self._configured] if self._configured is not None else [])]
+        self._on = ranks.pid(rank)
+        for content in requests:
+            reply = await self._forward(ranks, rank, content)
+            if not reply.get("success", True):
+                log.warning("debugger: %s on rank %d failed: %s", content.get("command"), rank, reply.get("message"))
 
     # ---------------------------------------------------------- rank side
     def routing(self, other: Callable[[int, dict], None]) -> Callable[[int, dict], None]:
@@ -222,7 +270,9 @@ class DebugSession:
                 choice = parse_dist_debug(arg, ranks.config.world_size)
             except ValueError as e:
                 return error_content(UsageError, str(e))
-            if choice != "show":
+            if choice in ("show", self.rank):
+                await self.follow(ranks)  # the rank's process was replaced: its session is set up again
+            else:
                 await self.choose(ranks, None if choice == "off" else int(choice))
             publish("stream", {"name": "stdout", "text": self.describe()})
         return None
@@ -242,16 +292,12 @@ class DebugSession:
             self._forget()
             return
         # the same session on the new rank: the frontend does not know it moved
-        requests = [*(self._setup[c] for c in SETUP if c in self._setup), *self._breakpoints.values(),
-                    *([self._configured] if self._configured is not None else [])]
-        for content in requests:
-            reply = await self._forward(ranks, rank, content)
-            if not reply.get("success", True):
-                log.warning("debugger: %s on rank %d failed: %s", content.get("command"), rank, reply.get("message"))
+        await self._set_up(ranks, rank)
 
     async def _end_on(self, ranks: Ranks, rank: int, stopped: bool) -> None:
-        """End the session on ``rank`` (debugpy lets stopped threads go on)."""
-        if not ranks.alive(rank):
+        """End the session on ``rank`` (debugpy lets stopped threads go on); nothing is asked of
+        a process that never had it (one that took the place of the rank's dead one)."""
+        if not ranks.alive(rank) or ranks.pid(rank) != self._on:
             return
         if stopped:
             await self._forward(ranks, rank, {"type": "request", "seq": 0, "command": "continue",

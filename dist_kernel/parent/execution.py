@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from dist_kernel import protocol
 from dist_kernel.exceptions import ErrorName, RankDiedError, RankStoppedError, error_content
 from dist_kernel.parent import fault_policy
+from dist_kernel.parent import membership_words as words
 from dist_kernel.parent.magics import format_ranks
 from dist_kernel.parent.relay import Outlet, OutputRelay
 
@@ -33,22 +34,8 @@ if TYPE_CHECKING:
 REFORMED = ("\x1b[1;33mdist_kernel:\x1b[0m the process group was re-formed; every rank's variables "
             "survived. Objects bound to the old group (DistributedDataParallel wrappers, new_group() "
             "handles) must be created again.")
-def respawn_hint(ranks: list[int] | tuple[int, ...]) -> str:
-    """How to go on after rank(s) died: the survivors kept their variables."""
-    which = format_ranks(ranks)
-    return (f"The other ranks keep their variables; the process group is down until rank {which} is back. Run "
-            f"%dist_respawn to start a fresh rank {which} in its place (its namespace is empty: rebuild what it "
-            "needs, or copy it with %dist_sync NAME), or restart the kernel.")
 
 log = logging.getLogger("dist_kernel")
-
-
-def respawned(ranks: list[int]) -> str:
-    """What the kernel says once dead ranks were started anew."""
-    which = format_ranks(ranks)
-    return (f"\x1b[1;33mdist_kernel:\x1b[0m rank {which} was started anew in its place and the process group was "
-            f"formed again; the other ranks kept their variables. Rank {which}'s namespace is empty: rebuild "
-            "what it needs, or copy it with %dist_sync NAME [NAME ...] [--from R].")
 
 
 @dataclass
@@ -58,9 +45,11 @@ class GroupState:
     left_running: set[int] = field(default_factory=set)  # ranks whose cell was given up on (abandoned)
     reform_pending: bool = False  # a re-formation waits for a rank that was left running
 
-    async def reform_if_due(self, ranks: CellRanks, timeout: float) -> None:
-        """Before a cell: re-form the group an earlier cell broke, once its ranks are back."""
+    async def reform_if_due(self, ranks: CellRanks, timeout: float, first: Callable[[], None] = lambda: None) -> None:
+        """Before a cell: re-form the group an earlier cell broke, once its ranks are back
+        (``first``: what to do before, when it is due: the cell shows it is busy meanwhile)."""
         if self.reform_pending and not self.left_running:
+            first()
             self.reform_pending = False
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(ranks.form_group(), timeout)
@@ -210,7 +199,7 @@ class CellRun:
         for rank in sorted(gone):
             # gone without the kernel hearing of it in this cell (it was exiting): never waited for
             self.on_rank_lost(rank, RankDiedError, f"rank {rank} ({self.via.describe(rank)}) is gone",
-                              respawn_hint([rank]))
+                              words.respawn_hint([rank]))
         if gone:
             state = self.state()
         if fault_policy.look_due(state, now, self._last_look):
@@ -367,19 +356,17 @@ class CellRun:
         """Rank(s) died: start them anew now (``--respawn on``), or say how to."""
         dead = self.dead()
         if len(dead) == len(self.world):  # nothing survived (a lost node, a cancelled job): nothing kept
-            self.notes.append("Every rank is gone. Restart the kernel (Kernel > Restart) to start fresh ranks; "
-                              "variables are lost.")
+            self.notes.append(words.ALL_GONE)
             return
         if not self.spec.respawn:
-            self.notes.append(respawn_hint(dead))
+            self.notes.append(words.respawn_hint(dead))
             return
         try:
             started = await asyncio.wait_for(self.via.respawn(dead, auto=True), self.spec.reform_timeout)
-        except Exception as e:  # noqa: BLE001 - it keeps dying, or could not start: say so
-            self.notes.append(f"--respawn on: {e}")
-            self.notes.append(respawn_hint(self.dead()))
+        except Exception as e:  # noqa: BLE001 - it keeps dying, or could not start: say so, once
+            self.notes.append(words.auto_failed(str(e) or type(e).__name__, self.dead()))
             return
-        self.notes.append(respawned(started))
+        self.notes.append(words.respawned(started))
 
     def interrupt(self) -> list[int]:
         """The stop button: the busy ranks to send SIGINT now. A rank is signalled at most

@@ -16,9 +16,16 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from dist_kernel.exceptions import ConfigError, RankDiedError, RankSpecError, UsageError, error_content
-from dist_kernel.parent.execution import respawned
-from dist_kernel.parent.magics import format_ranks, parse_rank_spec
+from dist_kernel.exceptions import (
+    ConfigError,
+    RankDiedError,
+    RankSpecError,
+    RankStartError,
+    UsageError,
+    error_content,
+)
+from dist_kernel.parent import membership_words as words
+from dist_kernel.parent.magics import format_ranks, parse_rank_spec, split_parent_magics
 
 if TYPE_CHECKING:
     from dist_kernel.parent.ranks import Ranks
@@ -42,42 +49,34 @@ async def run_group_magics(ranks: Ranks, magics: tuple[tuple[str, str], ...], pu
                 text = await _ranks(ranks, arg, started_with)
             else:
                 text = await _sync(ranks, arg)
-        except (ConfigError, RankSpecError, UsageError, RankDiedError) as e:
-            return error_content(type(e), str(e))
+        except (ConfigError, RankSpecError, UsageError, RankDiedError, RankStartError) as e:
+            return error_content(type(e), str(e) or words.magic_failed(name, arg, e))
         except Exception as e:  # noqa: BLE001 - a rank that failed to start or join: said, the kernel stays
-            return error_content(RankDiedError, f"%{name} {arg}: {e}")
+            return error_content(RankDiedError, words.magic_failed(name, arg, e))
         publish("stream", {"name": "stdout", "text": text + "\n"})
     return None
 
 
 async def _respawn(ranks: Ranks, arg: str) -> str:
-    wanted = list(parse_rank_spec(arg, ranks.config.world_size)) if arg else None
-    dead = [r for r in range(ranks.config.world_size) if not ranks.alive(r)]
+    wanted = list(parse_rank_spec(arg, ranks.config.world_size, magic="%dist_respawn")) if arg else None
+    dead = ranks.gone()
     if wanted is None and not dead:
-        return "%dist_respawn: no rank is dead; nothing to start."
+        return words.nothing_dead()
     started = await ranks.respawn(wanted)
     pids = ", ".join(f"rank {r}: {ranks.describe(r)}" for r in started)
-    return f"{respawned(started)} ({pids})"
+    return f"{words.respawned(started)} ({pids})"
 
 
 async def _ranks(ranks: Ranks, arg: str, started_with: int) -> str:
     n_now = ranks.config.world_size
     if not arg:
-        return (f"{n_now} ranks now; the kernel started with {started_with} (its kernelspec's --ranks, or "
-                "DIST_KERNEL_RANKS). %dist_ranks N changes the count in place.")
+        return words.count_now(n_now, started_with)
     if not arg.isdigit() or int(arg) < 1:
         raise UsageError(f"%dist_ranks {arg!r}: give a whole number of ranks, at least 1, e.g. %dist_ranks 4.")
     started, ended = await ranks.resize(int(arg))
     if not started and not ended:
-        return f"%dist_ranks: already {n_now} ranks; nothing changed."
-    said = [f"now {ranks.config.world_size} ranks; the process group was formed again and the other ranks kept "
-            "their variables."]
-    if started:
-        said.append(f"Started rank {format_ranks(started)}: their namespaces are empty (rebuild what they need, "
-                    "or copy it with %dist_sync NAME [NAME ...]).")
-    if ended:
-        said.append(f"Ended rank {format_ranks(ended)}.")
-    return " ".join(said)
+        return f"%dist_ranks: already {words.count(n_now)}; nothing changed."
+    return words.resized(ranks.config.world_size, started, ended)
 
 
 def parse_sync(arg: str, world_size: int) -> tuple[list[str], int]:
@@ -130,31 +129,54 @@ def sync_report(names: list[str], src: int, replies: dict[int, Synced | str]) ->
     return f"%dist_sync from rank {src}: " + "; ".join(lines)
 
 
+#: the magics a cell may run while ``--respawn on`` starts a rank anew, without waiting for it
+WHILE_STARTING = ("dist_status",)
+
+
 class IdleRespawn:
     """``--respawn on`` for a rank that died between cells: it is started anew at once; the next
-    cell waits for that, and says what came of it."""
+    cell waits for that, and says what came of it. A cell of ``%dist_status`` alone does not
+    wait: it shows the rank being started (:attr:`starting`)."""
 
     def __init__(self) -> None:
         self._task: asyncio.Future | None = None
+        #: the ranks that died between cells and are being started anew now
+        self.starting: set[int] = set()
 
     @property
     def pending(self) -> bool:
         return self._task is not None
 
     def died(self, ranks: Ranks, rank: int, reason: str) -> None:
-        if ranks.config.respawn and self._task is None:
-            self._task = asyncio.ensure_future(self._respawn(ranks, rank, reason))
+        if ranks.config.respawn:
+            if self._task is None or not self._task.done():
+                self.starting.add(rank)
+            if self._task is None:
+                self._task = asyncio.ensure_future(self._respawn(ranks, rank, reason))
+
+    def waited_for_by(self, code: str) -> bool:
+        """Does this cell wait for the respawn under way? Every cell but one that only asks
+        :data:`WHILE_STARTING` magics (``%dist_status``, which then shows it in progress)."""
+        if not self.pending:
+            return False
+        magics, rest = split_parent_magics(code)
+        return not (magics and all(name in WHILE_STARTING for name, _ in magics) and not rest.strip())
 
     async def settle(self, publish: Publish) -> None:
         task, self._task = self._task, None
         if task is not None:
-            publish("stream", {"name": "stderr", "text": f"[dist_kernel] {await task}\n"})
+            try:
+                said = await task
+            finally:
+                self.starting.clear()
+            publish("stream", {"name": "stderr", "text": f"[dist_kernel] {said}\n"})
 
-    @staticmethod
-    async def _respawn(ranks: Ranks, rank: int, reason: str) -> str:
+    async def _respawn(self, ranks: Ranks, rank: int, reason: str) -> str:
         await asyncio.sleep(0.5)  # a death seldom comes alone (the out-of-memory killer): take them together
         try:
             started = await ranks.respawn(None, auto=True)
         except Exception as e:  # noqa: BLE001 - said in the next cell, which then fails on the dead rank
-            return f"rank {rank} {reason} between cells. --respawn on: {e}"
-        return f"rank {rank} {reason} between cells. {respawned(started)}"
+            return words.idle_death(rank, reason, words.auto_failed(str(e) or type(e).__name__, ranks.gone()))
+        finally:
+            self.starting.clear()
+        return words.idle_death(rank, reason, words.respawned(started))

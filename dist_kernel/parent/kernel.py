@@ -90,7 +90,7 @@ class DistributedKernel(OneRankRequests, Kernel):
         self.group = GroupState()  # ranks left running, a pending re-formation: from cell to cell
         self._warnings: list[str] = []  # the configuration's warnings, shown once, in the first cell
         self._exiting = False
-        self._idle_respawn = IdleRespawn()  # --respawn on: a rank that died between cells
+        self._respawning = IdleRespawn()  # --respawn on: a rank that died between cells
         # a cell's busy and execute_input, held back until its requests are on their way to the
         # ranks (see _publish_status): the ranks start sooner, and nothing is published before them
         base = super()
@@ -145,8 +145,8 @@ class DistributedKernel(OneRankRequests, Kernel):
         # counts too); spill files live in the private runtime dir, removed at shutdown
         self._output_budget = OutputBudget(spill_dir=ranks.runtime_dir)
 
-    async def _ready_error(self) -> dict | None:
-        """Wait for the ranks; the error to show if the kernel cannot run cells."""
+    async def _ready_error(self, code: str = "") -> dict | None:
+        """Wait for the ranks (and a rank started anew, unless ``code`` need not); the error to show, if any."""
         cfg = self.dist_config
         if isinstance(cfg, ConfigError):
             return error_content(ConfigError, str(cfg))
@@ -157,9 +157,9 @@ class DistributedKernel(OneRankRequests, Kernel):
             stopped = await self._starting.wait(ranks, self.get_parent("shell"))
             if stopped:
                 return stopped
-        if self._idle_respawn.pending:  # --respawn on: a rank that died between cells comes back first
+        if self._respawning.waited_for_by(code):  # --respawn on: a rank that died between cells comes back first
             self._held.release()
-            await self._idle_respawn.settle(functools.partial(self._publish, self.get_parent("shell")))
+            await self._respawning.settle(functools.partial(self._publish, self.get_parent("shell")))
         return unusable(ranks)
 
     # ------------------------------------------------------------- execute
@@ -192,7 +192,7 @@ class DistributedKernel(OneRankRequests, Kernel):
             self._warnings = []
         if self.ranks is None or not self.ranks.ready.is_set():
             self._held.release()  # the cell waits for the ranks: it is busy meanwhile
-        err = await self._ready_error()
+        err = await self._ready_error(code)
         if err:
             return self._fail(parent, err, silent)
         ranks = self.ranks
@@ -206,7 +206,7 @@ class DistributedKernel(OneRankRequests, Kernel):
         if plan.magics:
             self._held.release()
             err = await self.debug.run_magics(ranks, plan.magics, say) or self.top.run_magics(plan.magics, say) \
-                or await run_parent_magics(ranks, plan.magics, say, self._set_output_policy) \
+                or await run_parent_magics(ranks, plan.magics, say, self._set_output_policy, self._respawning.starting) \
                 or await run_group_magics(ranks, plan.magics, say, getattr(self.dist_config, "world_size", 0))
             if err:
                 return self._fail(parent, err, silent)
@@ -218,9 +218,8 @@ class DistributedKernel(OneRankRequests, Kernel):
         err = dead_in(ranks, plan.ranks)
         if err:
             return self._fail(parent, err, silent)
-        if self.group.reform_pending and not self.group.left_running:
-            self._held.release()
-            await self.group.reform_if_due(ranks, cfg.startup_timeout)
+        await self.group.reform_if_due(ranks, cfg.startup_timeout, first=self._held.release)
+        await self.debug.follow(ranks)  # the debugged rank's process was replaced: its breakpoints are set there again
         spec = CellSpec(plan.ranks, tuple(range(cfg.world_size)), self.execution_count, cfg.merge_window,
                         hang_grace=cfg.hang_grace, rich_from=plan.ranks[0] if self.output_policy == "rank0" else None,
                         reform_timeout=cfg.startup_timeout, respawn=cfg.respawn, parent=parent)
@@ -283,10 +282,11 @@ class DistributedKernel(OneRankRequests, Kernel):
         if self._exiting:
             return  # exit() ends every rank on purpose
         self.log.error("rank %d %s", rank, reason)
+        self.debug.rank_died(rank)  # stopped at a breakpoint no longer: the hang checks must not wait for it
         if self._current is not None:
             self._current.on_rank_died(rank, reason)
         elif self.ranks is not None:
-            self._idle_respawn.died(self.ranks, rank, reason)
+            self._respawning.died(self.ranks, rank, reason)
 
     def on_start_note(self, text: str) -> None:
         """The launcher's news while the ranks start (waiting in the Slurm queue, job id): shown

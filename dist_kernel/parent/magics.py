@@ -63,30 +63,31 @@ def split_parent_magics(code: str) -> tuple[list[tuple[str, str]], str]:
     return found, "\n".join(lines) if found else code
 
 
-def parse_rank_spec(spec: str, world_size: int) -> tuple[int, ...]:
-    """Parse a rank selection into sorted rank ids, validating against the world size."""
+def parse_rank_spec(spec: str, world_size: int, magic: str = "%%rank") -> tuple[int, ...]:
+    """Parse a rank selection into sorted rank ids, validating against the world size; errors
+    name ``magic``, the magic that was given the selection (``%dist_respawn 7``)."""
     text = spec.split("#", 1)[0].strip()  # `%%rank 0  # the logger`: a comment, as in Python
-    hint = (f"This kernel has ranks 0-{world_size - 1}; write e.g. `%%rank all`, `%%rank 0`, "
-            f"`%%rank 0,{world_size - 1}` or `%%rank 0-{world_size - 1}`.")
+    hint = (f"This kernel has ranks 0-{world_size - 1}; write e.g. `{magic} all`, `{magic} 0`, "
+            f"`{magic} 0,{world_size - 1}` or `{magic} 0-{world_size - 1}`.")
     if text.startswith("[") and text.endswith("]"):
         text = text[1:-1].strip()
     if not text:
-        raise RankSpecError(f"%%rank needs a rank selection. {hint}")
+        raise RankSpecError(f"{magic} needs a rank selection. {hint}")
     if text.lower() == "all":
         return tuple(range(world_size))
     ranks: set[int] = set()
     for piece in text.split(","):
         m = _PIECE.match(piece.strip())
         if not m:
-            raise RankSpecError(f"%%rank {spec.strip()!r}: cannot parse {piece.strip()!r}. {hint}")
+            raise RankSpecError(f"{magic} {spec.strip()!r}: cannot parse {piece.strip()!r}. {hint}")
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) is not None else lo
         if hi < lo:
-            raise RankSpecError(f"%%rank {spec.strip()!r}: range {lo}-{hi} runs backwards. {hint}")
+            raise RankSpecError(f"{magic} {spec.strip()!r}: range {lo}-{hi} runs backwards. {hint}")
         if hi >= world_size:
             # checked before the range is built: `0-100000000000` must not allocate its ranks
             missing = f"{max(lo, world_size)}-{hi}" if hi > max(lo, world_size) else str(hi)
-            raise RankSpecError(f"%%rank {spec.strip()!r}: rank {missing} does not exist; {hint}")
+            raise RankSpecError(f"{magic} {spec.strip()!r}: rank {missing} does not exist; {hint}")
         ranks.update(range(lo, hi + 1))
     return tuple(sorted(ranks))
 

@@ -10,23 +10,21 @@ variables into it (:mod:`dist_kernel.rank.sync`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from dist_kernel import capacity, protocol
-from dist_kernel.exceptions import ConfigError
+from dist_kernel.exceptions import ConfigError, RankStartError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent import limits
+from dist_kernel.parent import formation, limits
+from dist_kernel.parent import membership_words as words
 from dist_kernel.parent.fault_policy import keeps_dying
-from dist_kernel.parent.magics import format_ranks
 
 if TYPE_CHECKING:
     from dist_kernel.parent.supervisor import RankSupervisor
-
-EMPTY = ("its namespace is empty: run the cells that build what it needs (the model, the optimizer, "
-         "the data), or copy variables from another rank with %dist_sync NAME [NAME ...] [--from R]")
 
 
 def dead_ranks(sup: RankSupervisor) -> list[int]:
@@ -37,25 +35,52 @@ def dead_ranks(sup: RankSupervisor) -> list[int]:
 async def respawn(sup: RankSupervisor, ranks: Iterable[int] | None = None, auto: bool = False) -> list[int]:
     """Start each dead rank of ``ranks`` (default: every dead rank) anew, with the same rank
     number, device and environment, and form the group again; the ranks started. ``auto``
-    (``--respawn on``): a rank that keeps dying is refused (:func:`keeps_dying`)."""
+    (``--respawn on``): a rank that keeps dying is refused (:func:`keeps_dying`). A selection
+    that leaves other ranks dead is refused before anything starts: the group cannot form
+    without them. When the start or the formation fails, the ranks started for it are ended
+    again (dead, as before) and no rank waits in the formation (:mod:`.formation`)."""
     dead = dead_ranks(sup)
     wanted = sorted(set(dead) if ranks is None else set(ranks))
     alive = [r for r in wanted if r not in dead]
     if alive:
-        raise ConfigError(f"rank {format_ranks(alive)} is running; %dist_respawn starts only dead ranks "
-                          f"(dead now: {format_ranks(dead) or 'none'}).")
+        raise ConfigError(words.refuse_running(alive, dead))
+    others = [r for r in dead if r not in wanted]
+    if others:
+        raise ConfigError(words.refuse_partial(wanted, others))
     if auto:
         now = time.monotonic()
         looping = [r for r in wanted if keeps_dying(sup.deaths.get(r, []), now)]
         if looping:
-            raise ConfigError(f"rank {format_ranks(looping)} died 3 times within a minute, so it is not started "
-                              "again by itself (--respawn on). Find out why it dies (the out-of-memory killer, "
-                              "a crash in an extension), then run %dist_respawn, or restart the kernel.")
+            raise ConfigError(words.keeps_dying(looping))
     if not wanted:
         return []
-    await _started(sup, wanted)
-    await sup.form_group(fresh=wanted)
+    try:
+        await _started(sup, wanted)
+        await formation.form_group(sup, fresh=wanted)
+    except ConfigError:
+        await _abandon(sup, wanted)
+        raise
+    except BaseException as e:
+        await _abandon(sup, wanted)
+        if isinstance(e, asyncio.CancelledError):
+            raise
+        raise RankStartError(words.formation_failed(str(e) or type(e).__name__, wanted, "%dist_respawn")) from None
     return wanted
+
+
+async def _abandon(sup: RankSupervisor, ranks: list[int]) -> None:
+    """End the ranks a failed respawn started: each is dead again, as before it (no death the
+    kernel acts on: ``--respawn on`` must not start it once more), and what it started ends too."""
+    for r in ranks:
+        rk = sup.ranks.get(r)
+        if rk is None or not rk.alive:
+            continue  # never started (the start failed before it): the old dead record
+        rk.exit_reason = "was ended: starting it anew failed"
+        if rk.channel is not None:
+            rk.channel.close()
+        with contextlib.suppress(Exception):
+            await rk.process.kill()
+        sup.launcher.died(rk.process)
 
 
 async def resize(sup: RankSupervisor, n: int) -> tuple[list[int], list[int]]:
@@ -68,7 +93,7 @@ async def resize(sup: RankSupervisor, n: int) -> tuple[list[int], list[int]]:
                           "kernel with other --nodes / --ranks-per-node instead.")
     dead = dead_ranks(sup)
     if dead:
-        raise ConfigError(f"rank {format_ranks(dead)} is dead: run %dist_respawn first, then %dist_ranks {n}.")
+        raise ConfigError(words.dead_first(dead, f"%dist_ranks {n}"))
     old = cfg.world_size
     if n == old:
         return [], []
@@ -79,13 +104,18 @@ async def resize(sup: RankSupervisor, n: int) -> tuple[list[int], list[int]]:
     ended = list(range(n, old))
     try:
         await _started(sup, started)
-    except BaseException:
-        await _ended(sup, started)
-        _set_config(sup, cfg)
-        await sup.form_group()
-        raise
-    await _ended(sup, ended)
-    await sup.form_group(fresh=started)
+        await _ended(sup, ended)
+        await formation.form_group(sup, fresh=started)
+    except BaseException as e:
+        if started:  # growing: back to the old count, without the new ranks
+            await _ended(sup, started)
+            _set_config(sup, cfg)
+            with contextlib.suppress(Exception):
+                await formation.form_group(sup)
+        if isinstance(e, (asyncio.CancelledError, ConfigError)):
+            raise
+        raise RankStartError(words.formation_failed(str(e) or type(e).__name__, started, f"%dist_ranks {n}")) \
+            from None
     return started, ended
 
 
@@ -134,7 +164,7 @@ async def sync(sup: RankSupervisor, names: list[str], src: int) -> dict[int, pro
     gave none. The ranks must be idle, and the group up."""
     dead = dead_ranks(sup)
     if dead:
-        raise ConfigError(f"rank {format_ranks(dead)} is dead: run %dist_respawn first, then %dist_sync.")
+        raise ConfigError(words.dead_first(dead, "%dist_sync"))
     if src not in sup.ranks:
         raise ConfigError(f"%dist_sync --from {src}: this kernel has ranks 0-{len(sup.ranks) - 1}.")
     req = protocol.Sync(names=names, src=src)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from dist_kernel import tunnel
 from dist_kernel.exceptions import RankDiedError
-from dist_kernel.parent import membership
+from dist_kernel.parent import formation, membership
 from dist_kernel.parent.channels import RankChannel, shared_header
 from dist_kernel.parent.launch.remote_rank import AgentListener, RemoteWire
 from dist_kernel.processes import state_words
@@ -216,7 +216,7 @@ class SupervisedRanks:
         return await self.sup.teardown(ranks)
 
     async def form_group(self) -> None:
-        await self.sup.form_group()
+        await formation.form_group(self.sup)
 
     async def respawn(self, ranks: list[int] | None = None, auto: bool = False) -> list[int]:
         return await membership.respawn(self.sup, ranks, auto=auto)

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from dist_kernel.exceptions import RankDiedError, RankStartError, error_content
+from dist_kernel.parent import membership_words as words
 from dist_kernel.parent.held import pressed_before
 
 if TYPE_CHECKING:
@@ -83,12 +84,6 @@ def dead_in(ranks: Ranks, cell_ranks: tuple[int, ...]) -> dict | None:
     if not dead:
         return None
     what = "; ".join(f"rank {r} ({ranks.describe(r)}) {ranks.exit_reason(r)}" for r in dead)
-    which = ",".join(map(str, dead))
     if not ranks.live():  # nothing survived (a lost node, a cancelled job): nothing to keep
-        return error_content(RankDiedError, what, ["Every rank is gone. Restart the kernel (Kernel > Restart) to "
-                                                    "start fresh ranks; variables are lost."])
-    return error_content(
-        RankDiedError, what,
-        [f"The cell did not run. The other ranks kept their variables. Run %dist_respawn to start a fresh rank "
-         f"{which} in its place (its namespace is empty: rebuild what it needs, or copy it with %dist_sync NAME), "
-         "or restart the kernel (Kernel > Restart). Until then, cells with %%rank on the other ranks run."])
+        return error_content(RankDiedError, what, [words.ALL_GONE])
+    return error_content(RankDiedError, what, [words.dead_cell(dead)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import html
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from dist_kernel.exceptions import RankRequestError, UsageError, error_content
@@ -42,17 +42,23 @@ def _cell(value: object) -> str:
     return "" if value is None else str(value)
 
 
+#: the state ``%dist_status`` shows for a rank that ``--respawn on`` is starting anew
+STARTING = "being started anew (--respawn on)"
+
+
 async def run_parent_magics(ranks: Ranks, magics: tuple[tuple[str, str], ...],
                             publish: Callable[[str, dict], None],
-                            set_output: Callable[[str], None]) -> dict | None:
+                            set_output: Callable[[str], None], starting: Collection[int] = ()) -> dict | None:
     """Run a cell's parent magics in order (``(name, argument)`` each); the first one's error
     content ends them. ``publish(msg_type, content)`` shows their output in the cell;
-    ``set_output`` takes ``%dist_output``'s policy."""
+    ``set_output`` takes ``%dist_output``'s policy; ``starting``: the ranks ``--respawn on`` is
+    starting anew now (``%dist_status`` shows them so, without waiting)."""
     for name, arg in magics:
         if name == "dist_status":
             table, loads = await asyncio.gather(ranks.status(), status_loads(ranks))
             # %dist_top's columns as a snapshot; n/a where unknown (no NVML, no GPU)
-            table = {r: {**row, **status_columns(loads.get(r, {}))} for r, row in table.items()}
+            table = {r: {**row, **status_columns(loads.get(r, {})), **({"state": STARTING} if r in starting else {})}
+                     for r, row in table.items()}
             publish("display_data", status_bundle(table, ranks.config))
         elif name == "dist_output":
             if arg not in ("all", "rank0"):

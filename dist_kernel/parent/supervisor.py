@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dist_kernel import protocol
@@ -30,6 +30,7 @@ from dist_kernel.cleanup import kill_kernel_processes, make_runtime_dir, sweep
 from dist_kernel.exceptions import ConfigError, RankDiedError, RankRequestError, RankStartError
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent import limits
+from dist_kernel.parent import membership_words as words
 from dist_kernel.parent.channels import RankChannel, Routes
 from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit, settle_for
 from dist_kernel.parent.launch import RankHandle, make_gang_launcher
@@ -168,7 +169,7 @@ class RankSupervisor:
                 await self.connect(handle)
             finally:
                 slots.release()
-            await self._join(handle.rank, first=True)
+            await self.join(handle.rank, first=True)
 
         ranks = self.launcher.start(self.config.world_size)
         try:
@@ -210,25 +211,15 @@ class RankSupervisor:
                 f"{self._start_fix(r)}") from None
 
     def _start_fix(self, r: Rank) -> str:
-        """The advice for a rank that failed to start: blame the install only when it is at fault."""
-        if not r.alive or r.process.returncode is not None:
-            reason = r.exit_reason or r.process.exit_reason()
-            tail = r.log_tail()
-            if "Error" in tail or "Traceback" in tail:
-                return (f"The rank process {reason} while starting (its output is above). Fix: make sure "
-                        f"ipykernel and dist_kernel import in {sys.executable}, then restart the kernel.")
-            return f"The rank process {reason} while starting. Restart the kernel to try again."
-        return "Restart the kernel to try again; on a slow or busy machine raise --startup-timeout."
+        """The advice for a rank that failed to start: blame the install only when it is at fault;
+        once the kernel runs (a respawn), ``%dist_respawn`` tries again."""
+        reason = (r.exit_reason or r.process.exit_reason()) if not r.alive or r.process.returncode is not None else ""
+        tail = r.log_tail() if reason else ""
+        return words.start_fix(reason, "Error" in tail or "Traceback" in tail, self.ready.is_set(), sys.executable)
 
-    async def form_group(self, fresh: Collection[int] = ()) -> None:
-        """Every rank joins a fresh process group (a new store file per formation): used to
-        re-form the group after a failure tore it down, or after ranks were started anew
-        (``fresh``: they join as at start, seeded and switched)."""
-        self.generation += 1
-        await asyncio.gather(*(self._join(r, first=r in fresh) for r in self.ranks))
-
-    async def _join(self, rank: int, first: bool) -> None:
-        """One rank joins the group of the current generation."""
+    async def join(self, rank: int, first: bool) -> None:
+        """One rank joins the group of the current generation (:mod:`~dist_kernel.parent.formation`
+        forms it on every rank)."""
         cfg = self.config
         r = self.ranks[rank]
         assert r.channel is not None
@@ -250,6 +241,8 @@ class RankSupervisor:
         except RankDiedError:
             raise RankStartError(f"rank {rank} ({r.where}) {r.exit_reason or 'died'} while joining the "
                                  f"process group.\n{r.log_tail()}\n{self._start_fix(r)}") from None
+        except asyncio.TimeoutError:  # no empty message: which rank, how long, what to do
+            raise RankStartError(words.not_joined(rank, cfg.startup_timeout, self.ready.is_set())) from None
         r.device = reply.device
 
     def _store(self) -> str:
@@ -381,6 +374,7 @@ class RankSupervisor:
         self.deaths.setdefault(r.rank, []).append(time.monotonic())
         if r.channel is not None:
             r.channel.fail_pending(f"rank {r.rank} ({r.where}) {reason}")
+        self.launcher.died(r.process)  # what it started dies with it (its group, what left it)
         with contextlib.suppress(Exception):
             self.on_death(r.rank, reason)
 

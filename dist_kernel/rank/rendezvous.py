@@ -47,6 +47,8 @@ def join(req: Join) -> str:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - already torn down by a peer
             pass
+    else:
+        _unnamed_groups_from_zero()
     _torchrun_sizes(req)
     nccl.enable(backend)  # the flight recorder, which shows NCCL stalls (gloo's are seen without it)
     meeting = _store(req)
@@ -63,6 +65,17 @@ def join(req: Join) -> str:
     if req.first:  # later formations keep what %dist_empty_cache (set_option) chose
         switches.start(req.switches)
     return str(device)
+
+
+def _unnamed_groups_from_zero() -> None:
+    """Count the default group's name from 0 again, as ``destroy_process_group`` does. torch names
+    the default group after a counter that each group creation raises, also one that failed
+    (a formation whose wait the kernel ended): a rank that failed one would meet the others of
+    the next formation under another name in the store, and wait for them for good."""
+    from torch.distributed import distributed_c10d
+
+    # private torch API (torch 2.x: _World.group_count, which destroy_process_group resets)
+    distributed_c10d._world.group_count = 0
 
 
 def _torchrun_sizes(req: Join) -> None:

@@ -10,12 +10,14 @@ kernel must not enforce on a rank at a breakpoint.
 from __future__ import annotations
 
 import itertools
+import os
 import queue
+import signal
 import time
 
 import psutil
 import pytest
-from harness import GROUP_SETUP, DistKernel, assert_group_works_and_variables_survived
+from harness import GROUP_SETUP, DistKernel, assert_group_works_and_variables_survived, group_kernel_for_module
 
 TIMEOUT = 60
 CELL = ("def f(x):\n"
@@ -103,12 +105,7 @@ class Frontend:
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = DistKernel("--ranks", "2", "--hang-grace", "1")
-    try:
-        assert k.execute(GROUP_SETUP).status == "ok"
-        yield k
-    finally:
-        k.shutdown()
+    yield from group_kernel_for_module("--ranks", "2", "--hang-grace", "1")
 
 
 def _variables(fe: Frontend, scopes: list[dict], name: str) -> dict[str, str]:
@@ -225,3 +222,56 @@ def test_shutdown_while_a_rank_is_stopped_at_a_breakpoint_ends_every_rank():
         assert alive == []
     finally:
         k.shutdown()
+
+
+# ------------------------------------------------------------------ the debugged rank replaced (issue 36)
+@pytest.fixture(scope="module")
+def replaced():
+    yield from group_kernel_for_module("--ranks", "2", "--hang-grace", "1")
+
+
+def _breaks_and_runs_on_rank_1(k: DistKernel, fe: Frontend) -> None:
+    """A breakpoint set now hits on rank 1's (new) process, and the cell ends once continued."""
+    assert k.execute("%%rank 1\nimport torch, torch.distributed as dist").status == "ok"
+    fe.break_in(CELL, BREAK_LINE)  # dumpCell answered by the new process (it got {} before)
+    msg_id = k.kc.execute(CELL)
+    stopped = fe.event("stopped")
+    assert stopped["body"]["reason"] == "breakpoint"
+    assert fe.request("continue", {"threadId": stopped["body"]["threadId"]})["success"]
+    reply, stdout, stderr = fe.cell_end(msg_id)
+    assert reply["status"] == "ok" and stdout == "[rank 0] z 10 sum 21\n[rank 1] z 11 sum 21\n", (reply, stderr)
+
+
+def test_a_rank_killed_at_a_breakpoint_and_started_anew_gets_the_session_back(replaced, busy_machine):
+    k = replaced
+    assert k.execute("%dist_debug 1").status == "ok"
+    fe = Frontend(k)
+    fe.start()
+    fe.break_in(CELL, BREAK_LINE)
+    pid = int(k.execute("%%rank 1\nprint(os.getpid())").stream())
+    msg_id = k.kc.execute(CELL)
+    fe.event("stopped")
+    os.kill(pid, signal.SIGKILL)
+    reply, _, _ = fe.cell_end(msg_id)
+    assert reply["status"] == "error" and "killed by SIGKILL" in reply["evalue"], reply
+    assert k.execute("%dist_debug").stream() == "debugger: rank 1\n"  # stopped no longer: its process is gone
+    assert k.execute("%dist_respawn", timeout=180).status == "ok"
+    assert k.execute("%dist_debug").stream() == "debugger: rank 1\n"
+    # a stale "stopped" turned the hang checks off: this waited for good instead of being named
+    hang = k.execute("%%rank 0\nt = torch.ones(1)\ndist.all_reduce(t)", timeout=90)
+    assert hang.status == "error" and hang.reply["ename"] == "CollectiveHangError", hang.explain()
+    _breaks_and_runs_on_rank_1(k, fe)
+    assert k.execute("%dist_debug off").stream() == "debugger: off (`%dist_debug N` debugs rank N)\n"
+
+
+def test_after_the_rank_count_changes_the_debugged_ranks_new_process_gets_the_session(replaced):
+    k = replaced
+    assert k.execute("%dist_debug 1").status == "ok"
+    fe = Frontend(k)
+    fe.start()
+    assert k.execute("%dist_ranks 1", timeout=120).status == "ok"
+    assert k.execute("%dist_ranks 2", timeout=180).status == "ok"
+    assert k.execute("%dist_debug 1").stream() == "debugger: rank 1\n"
+    _breaks_and_runs_on_rank_1(k, fe)
+    assert k.execute("%dist_debug 0").stream() == "debugger: rank 0\n"  # switching: the old session ends at once
+    assert fe.request("disconnect", {"restart": False, "terminateDebuggee": False})["success"]

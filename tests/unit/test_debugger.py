@@ -52,9 +52,13 @@ class Ranks:
         self.start_error = None
         self.dead: set[int] = set()
         self.sent: list[tuple[int, str]] = []  # (rank, DAP command)
+        self.pids = {r: 1000 + r for r in range(world_size)}  # a respawn gives a rank a new one
 
     def alive(self, rank: int) -> bool:
         return rank not in self.dead
+
+    def pid(self, rank: int) -> int:
+        return self.pids[rank]
 
     async def control_request(self, rank, msg_type, content, timeout=10.0):
         assert msg_type == "debug_request"
@@ -153,6 +157,87 @@ def test_shutdown_ends_the_session_and_lets_a_stopped_rank_go_on():
     ranks.sent.clear()
     asyncio.run(dbg.end(ranks))
     assert ranks.sent == [(0, "continue"), (0, "disconnect")] and not dbg.active and dbg.stopped_ranks() == ()
+
+
+# ------------------------------------------------------------------ the debugged rank replaced (issue 36)
+SESSION = (("initialize", {}), ("attach", {}), ("setBreakpoints", {"source": {"path": "/c.py"}}),
+           ("configurationDone", {}))
+
+
+def _started(dbg: DebugSession, ranks: Ranks) -> None:
+    for command, args in SESSION:
+        asyncio.run(dbg.request(ranks, request(command, **args)))
+    ranks.sent.clear()
+
+
+def test_a_debugged_rank_that_dies_at_a_breakpoint_is_stopped_no_longer():
+    dbg, published, _ = session()
+    ranks = Ranks()
+    dbg.rank = 1
+    _started(dbg, ranks)
+    dbg.on_event(1, {"event": "stopped", "body": {"reason": "breakpoint", "threadId": 7}})
+    assert dbg.stopped_ranks() == (1,) and "stopped at a breakpoint" in dbg.describe()
+    dbg.rank_died(0)  # another rank: nothing changes
+    assert dbg.stopped_ranks() == (1,)
+    dbg.rank_died(1)
+    # the hang checks must not wait for a dead rank's breakpoint; the frontend's thread goes on
+    assert dbg.stopped_ranks() == () and dbg.describe() == "debugger: rank 1\n"
+    assert published[-1][1:] == ("debug_event", {"seq": 0, "type": "event", "event": "continued",
+                                                 "body": {"threadId": 7, "allThreadsContinued": True}})
+
+
+def test_the_session_is_set_up_again_on_the_process_that_took_the_debugged_ranks_place():
+    dbg, _, _ = session()
+    ranks = Ranks()
+    dbg.rank = 1
+    _started(dbg, ranks)
+    ranks.pids[1] = 2001  # %dist_respawn, or %dist_ranks 1 then 2
+    reply = asyncio.run(dbg.request(ranks, request("dumpCell", code="x = 1")))
+    assert reply["success"]
+    assert ranks.sent == [(1, "initialize"), (1, "attach"), (1, "setBreakpoints"), (1, "configurationDone"),
+                          (1, "dumpCell")]
+    ranks.sent.clear()
+    asyncio.run(dbg.follow(ranks))  # set up once: nothing more
+    assert ranks.sent == []
+
+
+def test_before_a_cell_or_at_dist_debug_the_replaced_rank_gets_the_session_back():
+    dbg, _, _ = session()
+    ranks = Ranks()
+    dbg.rank = 1
+    _started(dbg, ranks)
+    ranks.pids[1] = 2001
+    out: list = []
+    assert asyncio.run(dbg.run_magics(ranks, (("dist_debug", "1"),), lambda t, c: out.append(c["text"]))) is None
+    assert ranks.sent == [(1, "initialize"), (1, "attach"), (1, "setBreakpoints"), (1, "configurationDone")]
+    assert out == ["debugger: rank 1\n"]
+
+
+def test_nothing_is_asked_of_a_process_that_never_had_the_session():
+    # %dist_debug off, or another rank, after the debugged rank was replaced: no continue and no
+    # disconnect to the new process (its debugger never started: each waited out the timeout)
+    dbg, _, _ = session()
+    ranks = Ranks()
+    dbg.rank = 1
+    _started(dbg, ranks)
+    dbg.on_event(1, {"event": "stopped", "body": {"threadId": 1}})
+    dbg.rank_died(1)
+    ranks.pids[1] = 2001
+    asyncio.run(dbg.run_magics(ranks, (("dist_debug", "0"),), lambda t, c: None))
+    assert ranks.sent == [(0, "initialize"), (0, "attach"), (0, "setBreakpoints"), (0, "configurationDone")]
+    ranks.sent.clear()
+    ranks.pids[0] = 2000
+    asyncio.run(dbg.run_magics(ranks, (("dist_debug", "off"),), lambda t, c: None))
+    assert ranks.sent == [] and not dbg.active
+
+
+def test_the_frontends_disconnect_for_a_replaced_process_is_answered_without_it():
+    dbg, _, _ = session()
+    ranks = Ranks()
+    _started(dbg, ranks)
+    ranks.pids[0] = 2000
+    reply = asyncio.run(dbg.request(ranks, request("disconnect", restart=False, terminateDebuggee=False)))
+    assert reply["success"] and ranks.sent == [] and not dbg.active
 
 
 # ------------------------------------------------------------------ fault policy, rule 7

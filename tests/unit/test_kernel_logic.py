@@ -231,19 +231,53 @@ def test_a_rank_that_dies_mid_cell_frees_its_peers_and_later_cells_say_how_to_br
     run(test)(lambda rank, code: Act(blocked_in="all_reduce") if "all_reduce" in code else Act())
 
 
+async def dying_in_a_collective(fe, ranks, *dying: int):
+    """A cell of every rank in an all_reduce, during which ``dying`` die: the cell, ended."""
+    msg = fe.execute_request("dist.all_reduce(t)")
+    task = asyncio.ensure_future(fe.send_shell(msg))
+    await ranks.running(ranks.config.world_size)
+    for rank in dying:
+        ranks.die(rank)
+    await task
+    return fe.collect(msg)
+
+
 def test_with_respawn_on_a_dead_rank_is_started_anew_as_its_cell_ends():
     async def test(fe, ranks):
         ranks.config = dataclasses.replace(ranks.config, respawn=True)
-        msg = fe.execute_request("dist.all_reduce(t)")
-        task = asyncio.ensure_future(fe.send_shell(msg))
-        await ranks.running(2)
-        ranks.die(1)
-        await task
-        text = "".join(fe.collect(msg).errors[0]["traceback"])
+        text = "".join((await dying_in_a_collective(fe, ranks, 1)).errors[0]["traceback"])
         assert "RankDiedError" in text and "started anew" in text and ranks.respawned == [1]
         assert (await fe.execute("x = 1")).status == "ok"
 
     run(test)(lambda rank, code: Act(blocked_in="all_reduce") if "all_reduce" in code else Act())
+
+
+def test_what_the_kernel_says_of_two_dead_ranks_agrees_with_their_number_and_names_its_magic():
+    async def test(fe, ranks):
+        text = "".join((await dying_in_a_collective(fe, ranks, 1, 2)).errors[0]["traceback"])
+        assert "until ranks 1,2 are back" in text and "start ranks 1,2 anew" in text, text
+        later = await fe.execute("x = 1")
+        assert "start ranks 1,2 anew (their namespaces are empty" in "".join(later.errors[0]["traceback"])
+        bad = await fe.execute("%dist_respawn 7")
+        assert bad.errors[0]["evalue"].startswith("%dist_respawn '7': rank 7 does not exist"), bad.errors
+        back = await fe.execute("%dist_respawn")
+        assert "ranks 1,2 were started anew" in back.stream() and "Their namespaces are empty" in back.stream()
+
+    run(test)(lambda rank, code: Act(blocked_in="all_reduce") if "all_reduce" in code else Act(), world_size=3)
+
+
+def test_dist_status_shows_an_automatic_respawn_in_progress_and_the_next_cell_waits_for_it():
+    async def test(fe, ranks):
+        ranks.config = dataclasses.replace(ranks.config, respawn=True)
+        ranks.die(1)  # between cells: --respawn on starts it anew at once
+        status = await fe.execute("%dist_status")
+        text = next(c["data"]["text/plain"] for t, c in status.outputs if t == "display_data")
+        row = next(line for line in text.splitlines() if line.startswith("1 "))
+        assert "being started anew (--respawn on)" in row and ranks.respawned == [], text  # it did not wait
+        later = await fe.execute("x = 1")
+        assert later.status == "ok" and ranks.respawned == [1] and "rank 1 was started anew" in later.stream("stderr")
+
+    run(test)()
 
 
 def test_a_rank_waiting_in_a_collective_for_a_finished_rank_is_freed_and_the_group_re_formed():

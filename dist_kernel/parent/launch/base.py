@@ -107,6 +107,12 @@ class GangLauncher(abc.ABC):
         raise ConfigError(f"--launcher {self.name} cannot end a rank on its own yet; restart the kernel "
                           "with fewer ranks.")
 
+    def died(self, handle: RankHandle) -> None:
+        """Rank ``handle`` died while the kernel runs: end what it started (its process group,
+        what left its session), as shutdown ends every rank's. On this machine; a node agent
+        does it for its own ranks when it starts one anew."""
+        return None
+
     @property
     def name(self) -> str:
         """The launcher's name, as ``--launcher`` gives it."""

@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator, Callable
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 
+from dist_kernel.cleanup import kill_rank_processes
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.channels import SocketWire, Wire
-from dist_kernel.parent.launch.base import GangLauncher
+from dist_kernel.parent.launch.base import GangLauncher, RankHandle
 from dist_kernel.parent.reaper import write_pids
 from dist_kernel.placement import rank_env
 from dist_kernel.processes import describe_exit, file_tail, proc_state, signal_main_thread
@@ -201,6 +202,7 @@ class LocalLauncher(GangLauncher):
         self.ranks: dict[int, LocalRank] = {}
         self._exits = ProcessEvents(self._changed_pid)
         self.watches = self._exits.available
+        self._burials: dict[int, asyncio.Future] = {}  # a dead rank's pid -> the end of what it left
 
     def _changed_pid(self, pid: int) -> None:
         handle = next((h for h in self.ranks.values() if h.pid == pid), None)
@@ -225,6 +227,7 @@ class LocalLauncher(GangLauncher):
         old = self.ranks.pop(rank, None)
         if old is not None:
             await old.forget()
+            await self._bury(old)  # before the new one starts: it carries the same rank number
         ksm = _RankSpecManager()
         ksm.extra_argv = self.extra_argv
         km = AsyncKernelManager(kernel_name="dist-kernel-rank", kernel_spec_manager=ksm)
@@ -253,7 +256,26 @@ class LocalLauncher(GangLauncher):
             await asyncio.wait_for(handle.shutdown(now=False), timeout=5)
         await handle.kill()
         await handle.forget()
+        await self._bury(handle)
         self.record()
+
+    def died(self, handle: RankHandle) -> None:
+        if handle.pid is not None and handle.pid not in self._burials:
+            self._burials[handle.pid] = asyncio.get_running_loop().run_in_executor(
+                None, kill_rank_processes, self.runtime_dir, handle.rank, handle.pid,
+                [p for p in self._live_pids() if p != handle.pid])
+
+    async def _bury(self, handle: LocalRank) -> None:
+        """End what a rank that is gone left (:func:`cleanup.kill_rank_processes`), once: the
+        burial its death began, or one now."""
+        if handle.pid is None:
+            return
+        self.died(handle)
+        with contextlib.suppress(Exception):
+            await self._burials.pop(handle.pid)
+
+    def _live_pids(self) -> list[int]:
+        return [p for h in self.ranks.values() if h.returncode is None and (p := h.pid) is not None]
 
     def store(self, generation: int) -> str:
         """A file in the private runtime dir (mode 0700): no port, no race, no collision."""
