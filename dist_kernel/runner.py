@@ -7,6 +7,10 @@ only the notebook's output. On a terminal, ``%dist_top``'s table of the ranks (s
 is a live status under the running cell's output (:mod:`dist_kernel.statusline`), left out of the
 saved notebook.
 
+With ``--output``, the notebook is saved after every cell (and every :data:`SAVE_EVERY` seconds
+of a long cell), as papermill does, each time to a temporary file then renamed over the output:
+a run killed half way leaves the cells it ran, and never a half-written notebook.
+
 SIGINT (Ctrl-C) or SIGTERM (``timeout``, a batch system ending the job) stops the run: the
 running cell is abandoned, the kernel and its ranks are shut down, and the exit status is
 128 + the signal's number. nbclient's own handler only schedules the kernel's shutdown, and
@@ -42,6 +46,8 @@ from dist_kernel.parent.merge import strip_ansi
 from dist_kernel.statusline import StatusLine, is_top
 
 KM = TypeVar("KM", KernelManager, AsyncKernelManager)
+#: seconds between two saves of the output notebook while one cell runs
+SAVE_EVERY = 30.0
 
 
 class _SpecManager(KernelSpecManager):
@@ -106,12 +112,14 @@ def _write(stream: TextIO, text: str) -> None:
 class _LiveClient(NotebookClient):
     """A NotebookClient that shows every output as it arrives, between per-cell headers."""
 
-    def __init__(self, nb: nbformat.NotebookNode, live: bool = False, **kw: Any) -> None:
+    def __init__(self, nb: nbformat.NotebookNode, live: bool = False, output: str | None = None, **kw: Any) -> None:
         super().__init__(nb, on_cell_execute=self._cell_starts, on_cell_executed=self._cell_ends, **kw)
         self.current: int | None = None  # the index of the cell running now
         self.stopped_by: int | None = None  # the signal that stopped the run
         self._t0 = 0.0
         self._ends_with_newline = True
+        self.save_to = output  # where the notebook is saved, after every cell
+        self._saved_at = time.monotonic()
         #: the ranks' live status under the output (stdout is a terminal); %dist_top is turned on
         #: before the first cell
         self.status = StatusLine(sys.stdout) if live else None
@@ -180,12 +188,28 @@ class _LiveClient(NotebookClient):
         self._rule(f"{self._place(cell_index)} {'failed after' if failed else 'done in'} "
                    f"{time.monotonic() - self._t0:.1f}s")
 
+    async def async_execute_cell(self, cell: nbformat.NotebookNode, cell_index: int,
+                                 execution_count: int | None = None, store_history: bool = True) -> nbformat.NotebookNode:
+        try:
+            return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+        finally:
+            self.save()  # the cell as nbclient left it (its streams joined), whether it failed or not
+
+    def save(self) -> None:
+        """Write the notebook to ``--output`` as it is now, atomically."""
+        if self.save_to:
+            write_atomically(self.nb, self.save_to)
+            self._saved_at = time.monotonic()
+
     def process_message(self, msg: dict, cell: nbformat.NotebookNode, cell_index: int) -> Any:
         if self.status is not None and is_top(msg):  # the live status, not an output of the cell
             self.status.update(msg["content"].get("data", {}).get("text/plain", ""), self._ends_with_newline)
             return None
         self._show(msg)
-        return super().process_message(msg, cell, cell_index)
+        out = super().process_message(msg, cell, cell_index)
+        if time.monotonic() - self._saved_at >= SAVE_EVERY:
+            self.save()  # a cell of hours: what it printed so far is kept too
+        return out
 
     def _show(self, msg: dict) -> None:
         kind, content = msg["msg_type"], msg["content"]
@@ -211,6 +235,21 @@ class _LiveClient(NotebookClient):
                 self.status.draw()
 
 
+def write_atomically(nb: nbformat.NotebookNode, path: str) -> None:
+    """Write ``nb`` to ``path`` through a temporary file renamed over it: a reader (or a run
+    killed now) sees the old notebook or the new one, never part of one."""
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    try:
+        nbformat.write(nb, tmp)
+        if os.path.exists(path):
+            shutil.copymode(path, tmp)  # the output keeps the mode it had
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def run_notebook(path: str, options: list[str], output: str | None = None,
                  cell_timeout: float | None = None) -> int:
     """Execute ``path`` on the distributed kernel, showing output live; 0 on success, 1
@@ -219,7 +258,7 @@ def run_notebook(path: str, options: list[str], output: str | None = None,
     # async: nbclient waits for the kernel on a running event loop, where it notices a dead
     # kernel and our signals; a blocking client waits in zmq, forever if the kernel is gone
     km = kernel_manager(options, AsyncKernelManager)
-    client = _LiveClient(nb, km=km, timeout=cell_timeout, live=sys.stdout.isatty(),
+    client = _LiveClient(nb, km=km, timeout=cell_timeout, live=sys.stdout.isatty(), output=output,
                          resources={"metadata": {"path": str(Path(path).resolve().parent)}})
     status = 0
     try:
@@ -247,6 +286,6 @@ def run_notebook(path: str, options: list[str], output: str | None = None,
         if owner_pid(os.path.dirname(km.ip)) == os.getpid():  # kernel_manager's short dir
             shutil.rmtree(os.path.dirname(km.ip), ignore_errors=True)
         if output:
-            nbformat.write(nb, output)
+            client.save()
             print(f"wrote {output}", file=sys.stderr)
     return status
