@@ -1,11 +1,12 @@
 """Whole-notebook runs through nbclient, without installing a kernelspec first.
 
 ``python -m dist_kernel run`` shows each cell's output live, as it arrives (already merged
-across ranks by the kernel): stream text as is, rich outputs as their text/plain, on stdout
-and stderr as the notebook has them; the cell's place and time go to stderr, so stdout holds
-only the notebook's output. On a terminal, ``%dist_top``'s table of the ranks (state, load, line)
-is a live status under the running cell's output (:mod:`dist_kernel.statusline`), left out of the
-saved notebook.
+across ranks by the kernel), as text (:mod:`dist_kernel.text_output`, which the kernel's output
+log shares: stream text as is, rich outputs as their text/plain, a display updated in place as a
+line every few seconds and its last frame), on stdout and stderr as the notebook has them; the
+cell's place and time go to stderr, so stdout holds only the notebook's output. On a terminal,
+``%dist_top``'s table of the ranks (state, load, line) is a live status under the running cell's
+output (:mod:`dist_kernel.statusline`), left out of the saved notebook.
 
 With ``--output``, the notebook is saved after every cell (and every :data:`SAVE_EVERY` seconds
 of a long cell), as papermill does, each time to a temporary file then renamed over the output:
@@ -43,7 +44,8 @@ from traitlets import Type
 from dist_kernel.cleanup import SOCKET_PATH_MAX, make_runtime_dir, owner_pid
 from dist_kernel.kernelspec import kernel_json
 from dist_kernel.parent.merge import strip_ansi
-from dist_kernel.statusline import StatusLine, is_top
+from dist_kernel.statusline import StatusLine
+from dist_kernel.text_output import TextOutput, is_top
 
 KM = TypeVar("KM", KernelManager, AsyncKernelManager)
 #: seconds between two saves of the output notebook while one cell runs
@@ -117,7 +119,8 @@ class _LiveClient(NotebookClient):
         self.current: int | None = None  # the index of the cell running now
         self.stopped_by: int | None = None  # the signal that stopped the run
         self._t0 = 0.0
-        self._ends_with_newline = True
+        # a terminal draws \r lines in place itself; a file or a pipe gets them as lines
+        self.text = TextOutput(keep_cr=live)
         self.save_to = output  # where the notebook is saved, after every cell
         self._saved_at = time.monotonic()
         #: the ranks' live status under the output (stdout is a terminal); %dist_top is turned on
@@ -150,9 +153,7 @@ class _LiveClient(NotebookClient):
         if self.status is not None:
             self.status.reset()  # a rule starts or ends a cell: the status is the running cell's
         sys.stdout.flush()
-        # the rule starts a line of its own even when the cell's last output did not end one
-        _write(sys.stderr, ("" if self._ends_with_newline else "\n") + f"── {text} ──\n")
-        self._ends_with_newline = True
+        _write(sys.stderr, self.text.rule(text))  # on a line of its own, even after a line left open
 
     async def _cell_starts(self, cell: nbformat.NotebookNode, cell_index: int) -> None:
         self._arm_signals()
@@ -185,6 +186,7 @@ class _LiveClient(NotebookClient):
     def _cell_ends(self, cell: nbformat.NotebookNode, cell_index: int,
                    execute_reply: dict) -> None:
         failed = execute_reply.get("content", {}).get("status") == "error"
+        self._emit(self.text.finish())  # the last frame of what was redrawn in place
         self._rule(f"{self._place(cell_index)} {'failed after' if failed else 'done in'} "
                    f"{time.monotonic() - self._t0:.1f}s")
 
@@ -203,7 +205,7 @@ class _LiveClient(NotebookClient):
 
     def process_message(self, msg: dict, cell: nbformat.NotebookNode, cell_index: int) -> Any:
         if self.status is not None and is_top(msg):  # the live status, not an output of the cell
-            self.status.update(msg["content"].get("data", {}).get("text/plain", ""), self._ends_with_newline)
+            self.status.update(msg["content"].get("data", {}).get("text/plain", ""), self.text.at_line_start)
             return None
         self._show(msg)
         out = super().process_message(msg, cell, cell_index)
@@ -212,26 +214,19 @@ class _LiveClient(NotebookClient):
         return out
 
     def _show(self, msg: dict) -> None:
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            stream, text = (sys.stderr if content.get("name") == "stderr" else sys.stdout), content["text"]
-        elif kind in ("execute_result", "display_data"):
-            # update_display_data (progress bars redrawn in place) is left out: a terminal
-            # would get a new copy for every redraw
-            stream, text = sys.stdout, content.get("data", {}).get("text/plain", "")
-            text = text + "\n" if text else ""
-        elif kind == "error":
-            stream, text = sys.stderr, strip_ansi("\n".join(content.get("traceback", []))) + "\n"
-        else:
-            return
-        if text:
+        self._emit(self.text.feed(msg["msg_type"], msg["content"]))
+
+    def _emit(self, texts: list[tuple[str, str]]) -> None:
+        for name, text in texts:
+            if not text:
+                continue
+            stream = sys.stderr if name == "stderr" else sys.stdout
             if self.status is not None:
                 self.status.clear()
             if stream is sys.stderr:
                 sys.stdout.flush()
             _write(stream, text)
-            self._ends_with_newline = text.endswith("\n")
-            if self.status is not None and self._ends_with_newline:
+            if self.status is not None and text.endswith("\n"):
                 self.status.draw()
 
 
