@@ -86,6 +86,25 @@ def choice(*values: str) -> Parser:
     return parse
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmg]?)i?b?", re.IGNORECASE)
+#: the smallest output log: a few cells' worth
+MIN_LOG_BYTES = 4096
+
+
+def size_or_off(flag: str, text: str) -> int:
+    """A size in bytes (``10MB``, ``512KB``, ``1GB``, ``65536``), or ``off`` (0)."""
+    value = text.strip()
+    if value.lower() in ("off", "0", "false"):
+        return 0
+    m = _SIZE.fullmatch(value)
+    if not m:
+        raise ConfigError(f"{flag} {text!r} is neither a size (10MB, 512KB, 1GB) nor off. {FIX_HINT}")
+    size = int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()])
+    if size < MIN_LOG_BYTES:
+        raise ConfigError(f"{flag} {text!r} is below {MIN_LOG_BYTES // 1024}KB; give a larger size, or off. {FIX_HINT}")
+    return size
+
+
 def verbatim(flag: str, text: str) -> str:  # flag unused: the Parser signature
     """The text as given: checked in :func:`resolve`, where the other options are known."""
     return text
@@ -184,6 +203,9 @@ OPTIONS: tuple[Option, ...] = (
            "(slurm/ssh; at least 3; default: random free ports)", _REMOTE, metavar="A-B"),
     Option("oversubscribe", switch, "off", "start more ranks than this machine's memory or CPU cores "
            "can hold (local launcher; default {default})", "dist_kernel.capacity", metavar="on|off"),
+    Option("output_log", size_or_off, "10MB", "every cell's merged output, appended to a log beside the "
+           "kernel's connection file, rotated at SIZE (one earlier file kept); off: no log (default {default})",
+           "dist_kernel.parent.output_log", metavar="SIZE|off"),
 )
 
 OPTION: dict[str, Option] = {o.name: o for o in OPTIONS}
@@ -222,6 +244,7 @@ class KernelConfig:
     listen: str | None = None  # the parent's address as the nodes see it; None: decided at start
     port_range: tuple[int, int] | None = None  # inclusive; None: random free ports
     oversubscribe: bool = _default("oversubscribe")
+    output_log: int = _default("output_log")  # bytes a log file grows to before it is rotated; 0: no log
     #: shown once, in the first cell (ranks sharing GPUs over gloo, an option with no effect)
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
@@ -339,7 +362,8 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None,
                           seed=_given_int(value, "seed"), hang_grace=get("hang_grace"), respawn=get("respawn"),
                           empty_cache=get("empty_cache"), rich_output=get("rich_output"), launcher=launcher,
                           nodes=nodes, ranks_per_node=per_node, hosts=hosts, slurm_args=slurm_args,
-                          listen=listen, port_range=port_range, oversubscribe=get("oversubscribe"))
+                          listen=listen, port_range=port_range, oversubscribe=get("oversubscribe"),
+                          output_log=get("output_log"))
     if not remote:  # the nodes' memory and cores cannot be seen from here
         warnings += capacity.check(config, capacity.this_machine() if machine is None else machine)
     return dataclasses.replace(config, warnings=tuple(warnings))

@@ -1,11 +1,16 @@
 """Whole-notebook runs through nbclient, without installing a kernelspec first.
 
 ``python -m dist_kernel run`` shows each cell's output live, as it arrives (already merged
-across ranks by the kernel): stream text as is, rich outputs as their text/plain, on stdout
-and stderr as the notebook has them; the cell's place and time go to stderr, so stdout holds
-only the notebook's output. On a terminal, ``%dist_top``'s table of the ranks (state, load, line)
-is a live status under the running cell's output (:mod:`dist_kernel.statusline`), left out of the
-saved notebook.
+across ranks by the kernel), as text (:mod:`dist_kernel.text_output`, which the kernel's output
+log shares: stream text as is, rich outputs as their text/plain, a display updated in place as a
+line every few seconds and its last frame), on stdout and stderr as the notebook has them; the
+cell's place and time go to stderr, so stdout holds only the notebook's output. On a terminal,
+``%dist_top``'s table of the ranks (state, load, line) is a live status under the running cell's
+output (:mod:`dist_kernel.statusline`), left out of the saved notebook.
+
+With ``--output``, the notebook is saved after every cell (and every :data:`SAVE_EVERY` seconds
+of a long cell), as papermill does, each time to a temporary file then renamed over the output:
+a run killed half way leaves the cells it ran, and never a half-written notebook.
 
 SIGINT (Ctrl-C) or SIGTERM (``timeout``, a batch system ending the job) stops the run: the
 running cell is abandoned, the kernel and its ranks are shut down, and the exit status is
@@ -39,9 +44,12 @@ from traitlets import Type
 from dist_kernel.cleanup import SOCKET_PATH_MAX, make_runtime_dir, owner_pid
 from dist_kernel.kernelspec import kernel_json
 from dist_kernel.parent.merge import strip_ansi
-from dist_kernel.statusline import StatusLine, is_top
+from dist_kernel.statusline import StatusLine
+from dist_kernel.text_output import TextOutput, is_top
 
 KM = TypeVar("KM", KernelManager, AsyncKernelManager)
+#: seconds between two saves of the output notebook while one cell runs
+SAVE_EVERY = 30.0
 
 
 class _SpecManager(KernelSpecManager):
@@ -106,12 +114,15 @@ def _write(stream: TextIO, text: str) -> None:
 class _LiveClient(NotebookClient):
     """A NotebookClient that shows every output as it arrives, between per-cell headers."""
 
-    def __init__(self, nb: nbformat.NotebookNode, live: bool = False, **kw: Any) -> None:
+    def __init__(self, nb: nbformat.NotebookNode, live: bool = False, output: str | None = None, **kw: Any) -> None:
         super().__init__(nb, on_cell_execute=self._cell_starts, on_cell_executed=self._cell_ends, **kw)
         self.current: int | None = None  # the index of the cell running now
         self.stopped_by: int | None = None  # the signal that stopped the run
         self._t0 = 0.0
-        self._ends_with_newline = True
+        # a terminal draws \r lines in place itself; a file or a pipe gets them as lines
+        self.text = TextOutput(keep_cr=live)
+        self.save_to = output  # where the notebook is saved, after every cell
+        self._saved_at = time.monotonic()
         #: the ranks' live status under the output (stdout is a terminal); %dist_top is turned on
         #: before the first cell
         self.status = StatusLine(sys.stdout) if live else None
@@ -142,9 +153,7 @@ class _LiveClient(NotebookClient):
         if self.status is not None:
             self.status.reset()  # a rule starts or ends a cell: the status is the running cell's
         sys.stdout.flush()
-        # the rule starts a line of its own even when the cell's last output did not end one
-        _write(sys.stderr, ("" if self._ends_with_newline else "\n") + f"── {text} ──\n")
-        self._ends_with_newline = True
+        _write(sys.stderr, self.text.rule(text))  # on a line of its own, even after a line left open
 
     async def _cell_starts(self, cell: nbformat.NotebookNode, cell_index: int) -> None:
         self._arm_signals()
@@ -177,38 +186,63 @@ class _LiveClient(NotebookClient):
     def _cell_ends(self, cell: nbformat.NotebookNode, cell_index: int,
                    execute_reply: dict) -> None:
         failed = execute_reply.get("content", {}).get("status") == "error"
+        self._emit(self.text.finish())  # the last frame of what was redrawn in place
         self._rule(f"{self._place(cell_index)} {'failed after' if failed else 'done in'} "
                    f"{time.monotonic() - self._t0:.1f}s")
 
+    async def async_execute_cell(self, cell: nbformat.NotebookNode, cell_index: int,
+                                 execution_count: int | None = None, store_history: bool = True) -> nbformat.NotebookNode:
+        try:
+            return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+        finally:
+            self.save()  # the cell as nbclient left it (its streams joined), whether it failed or not
+
+    def save(self) -> None:
+        """Write the notebook to ``--output`` as it is now, atomically."""
+        if self.save_to:
+            write_atomically(self.nb, self.save_to)
+            self._saved_at = time.monotonic()
+
     def process_message(self, msg: dict, cell: nbformat.NotebookNode, cell_index: int) -> Any:
         if self.status is not None and is_top(msg):  # the live status, not an output of the cell
-            self.status.update(msg["content"].get("data", {}).get("text/plain", ""), self._ends_with_newline)
+            self.status.update(msg["content"].get("data", {}).get("text/plain", ""), self.text.at_line_start)
             return None
         self._show(msg)
-        return super().process_message(msg, cell, cell_index)
+        out = super().process_message(msg, cell, cell_index)
+        if time.monotonic() - self._saved_at >= SAVE_EVERY:
+            self.save()  # a cell of hours: what it printed so far is kept too
+        return out
 
     def _show(self, msg: dict) -> None:
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            stream, text = (sys.stderr if content.get("name") == "stderr" else sys.stdout), content["text"]
-        elif kind in ("execute_result", "display_data"):
-            # update_display_data (progress bars redrawn in place) is left out: a terminal
-            # would get a new copy for every redraw
-            stream, text = sys.stdout, content.get("data", {}).get("text/plain", "")
-            text = text + "\n" if text else ""
-        elif kind == "error":
-            stream, text = sys.stderr, strip_ansi("\n".join(content.get("traceback", []))) + "\n"
-        else:
-            return
-        if text:
+        self._emit(self.text.feed(msg["msg_type"], msg["content"]))
+
+    def _emit(self, texts: list[tuple[str, str]]) -> None:
+        for name, text in texts:
+            if not text:
+                continue
+            stream = sys.stderr if name == "stderr" else sys.stdout
             if self.status is not None:
                 self.status.clear()
             if stream is sys.stderr:
                 sys.stdout.flush()
             _write(stream, text)
-            self._ends_with_newline = text.endswith("\n")
-            if self.status is not None and self._ends_with_newline:
+            if self.status is not None and text.endswith("\n"):
                 self.status.draw()
+
+
+def write_atomically(nb: nbformat.NotebookNode, path: str) -> None:
+    """Write ``nb`` to ``path`` through a temporary file renamed over it: a reader (or a run
+    killed now) sees the old notebook or the new one, never part of one."""
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    try:
+        nbformat.write(nb, tmp)
+        if os.path.exists(path):
+            shutil.copymode(path, tmp)  # the output keeps the mode it had
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def run_notebook(path: str, options: list[str], output: str | None = None,
@@ -219,7 +253,7 @@ def run_notebook(path: str, options: list[str], output: str | None = None,
     # async: nbclient waits for the kernel on a running event loop, where it notices a dead
     # kernel and our signals; a blocking client waits in zmq, forever if the kernel is gone
     km = kernel_manager(options, AsyncKernelManager)
-    client = _LiveClient(nb, km=km, timeout=cell_timeout, live=sys.stdout.isatty(),
+    client = _LiveClient(nb, km=km, timeout=cell_timeout, live=sys.stdout.isatty(), output=output,
                          resources={"metadata": {"path": str(Path(path).resolve().parent)}})
     status = 0
     try:
@@ -247,6 +281,6 @@ def run_notebook(path: str, options: list[str], output: str | None = None,
         if owner_pid(os.path.dirname(km.ip)) == os.getpid():  # kernel_manager's short dir
             shutil.rmtree(os.path.dirname(km.ip), ignore_errors=True)
         if output:
-            nbformat.write(nb, output)
+            client.save()
             print(f"wrote {output}", file=sys.stderr)
     return status

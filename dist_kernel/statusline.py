@@ -14,14 +14,6 @@ UP = "\x1b[{n}F"
 ERASE = "\x1b[J"
 
 
-def is_top(msg: dict) -> bool:
-    """Is this IOPub message ``%dist_top``'s table (see ``parent/top.py``: ``META``)?"""
-    if msg.get("msg_type") not in ("display_data", "update_display_data"):
-        return False
-    meta = msg.get("content", {}).get("metadata") or {}
-    return bool(isinstance(meta, dict) and (meta.get("dist_kernel") or {}).get("top"))
-
-
 def fit(text: str, width: int) -> list[str]:
     """The table's lines, each cut to the terminal's width (a wrapped line would break the erase)."""
     return [line[:max(1, width - 1)] for line in text.splitlines()]

@@ -18,6 +18,7 @@ from dist_kernel.exceptions import ConfigError
 from dist_kernel.iopub import UnboundedIOPubApp
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.kernel import DistributedKernel, ignore_sigterm
+from dist_kernel.parent.output_log import OutputLog
 
 
 class DistributedKernelApp(UnboundedIOPubApp):
@@ -58,6 +59,7 @@ class DistributedKernelApp(UnboundedIOPubApp):
         super().init_kernel()
         self.kernel.dist_config = self.dist_config
         self.kernel.extra_argv = list(self.rank_argv or [])
+        self.kernel.output_log = OutputLog.open(self.abs_connection_file, self.dist_config)
 
 
 def launch(connection_file: str, config: KernelConfig | ConfigError, extra_argv: list[str] | None = None) -> None:

@@ -36,9 +36,10 @@ from dist_kernel.parent.held import HeldBusy, pressed_before, sent_at
 from dist_kernel.parent.magics import plan_cell
 from dist_kernel.parent.merge import DisplayRegistry
 from dist_kernel.parent.one_rank import OneRankRequests
+from dist_kernel.parent.output_log import OutputLogging
 from dist_kernel.parent.ranks import Ranks, SupervisedRanks
 from dist_kernel.parent.relay import Outlet, OutputRelay
-from dist_kernel.parent.replies import always_reply
+from dist_kernel.parent.replies import AbortsAfterError, always_reply
 from dist_kernel.parent.startup import StartWait, dead_in, unusable
 from dist_kernel.parent.status import run_parent_magics
 from dist_kernel.parent.stdin import InputBroker
@@ -51,7 +52,7 @@ AT_BREAKPOINT = ("rank {rank} is stopped at a breakpoint (debugger): the other r
                  "in a collective. Continue in the debugger, or press stop to end the cell on every rank.")
 
 
-class DistributedKernel(OneRankRequests, Kernel):
+class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel):
     """Runs each cell on N ranks that form one torch.distributed process group."""
 
     implementation = "dist_kernel"
@@ -172,6 +173,7 @@ class DistributedKernel(OneRankRequests, Kernel):
         # _topic: private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
         self._session.send(self.iopub_socket, msg_type, content, parent=parent, ident=self._topic(msg_type),
                           metadata=metadata, buffers=buffers)
+        self.output_log.output(parent, msg_type, content)
 
     def _set_output_policy(self, policy: str) -> None:
         """``%dist_output``: rich output from every rank, merged, or from rank 0 only."""
@@ -206,7 +208,8 @@ class DistributedKernel(OneRankRequests, Kernel):
         if plan.magics:
             self._held.release()
             err = await self.debug.run_magics(ranks, plan.magics, say) or self.top.run_magics(plan.magics, say) \
-                or await run_parent_magics(ranks, plan.magics, say, self._set_output_policy, self._respawning.starting) \
+                or await run_parent_magics(ranks, plan.magics, say, self._set_output_policy, self._respawning.starting,
+                                           self.output_log.note) \
                 or await run_group_magics(ranks, plan.magics, say, getattr(self.dist_config, "world_size", 0))
             if err:
                 return self._fail(parent, err, silent)
@@ -410,23 +413,6 @@ class DistributedKernel(OneRankRequests, Kernel):
             await ranks.interrupt(sorted(self.group.left_running))
             return
         await run.stop()
-
-    # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
-    def _abort_queues(self, subshell_id: str | None = None) -> None:
-        """After an error, abort the execute requests that had already arrived (Run All), and no
-        other. ipykernel clears its flag two turns of the loop later; since replies go out at
-        once on the raw socket, a request the frontend sent after it saw the error could land in
-        between and be aborted. So the flag is cleared by a task that queues for the shell lock
-        behind every request read so far: those are aborted, later ones run."""
-        self._aborting = True
-        if self.shell_stream is not None:
-            self.shell_stream.flush()  # what has arrived now queues for the lock, ahead of the task
-
-        async def stop_aborting() -> None:
-            async with self._main_asyncio_lock:
-                self._aborting = False
-
-        asyncio.ensure_future(stop_aborting())
 
     def _exit_soon(self) -> None:
         """``exit()`` in a cell: like a plain kernel, end (after the reply is sent)."""

@@ -5,6 +5,7 @@ loop (or the flush after the request), at a cost in CPU per request (issue 14). 
 handlers get the stream's socket instead (:func:`always_reply`), and a handler that raises still
 answers its request with an error reply. Since those replies bypass the stream, the stream
 looks for a request they may have hidden from it once the handler is done (:func:`rearm`).
+Which requests an error aborts (the ones that had arrived before it): :class:`AbortsAfterError`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import zmq
+from ipykernel.kernelbase import Kernel
 from zmq.eventloop.zmqstream import ZMQStream
 
 from dist_kernel.parent.channels import pending
@@ -57,3 +59,24 @@ def rearm(stream: Any) -> None:
             stream.flush(zmq.POLLIN, limit=1)  # the stream's own callback, as a turn of its loop would
 
     stream.io_loop.add_callback(check)
+
+
+class AbortsAfterError(Kernel):
+    """The kernel's ``_abort_queues``, for replies sent on the raw socket."""
+
+    # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
+    def _abort_queues(self, subshell_id: str | None = None) -> None:
+        """After an error, abort the execute requests that had already arrived (Run All), and no
+        other. ipykernel clears its flag two turns of the loop later; since replies go out at
+        once on the raw socket, a request the frontend sent after it saw the error could land in
+        between and be aborted. So the flag is cleared by a task that queues for the shell lock
+        behind every request read so far: those are aborted, later ones run."""
+        self._aborting = True
+        if self.shell_stream is not None:
+            self.shell_stream.flush()  # what has arrived now queues for the lock, ahead of the task
+
+        async def stop_aborting() -> None:
+            async with self._main_asyncio_lock:
+                self._aborting = False
+
+        asyncio.ensure_future(stop_aborting())

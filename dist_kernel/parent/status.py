@@ -24,8 +24,8 @@ COLUMNS = [("rank", "rank"), ("pid", "pid"), ("host", "host"), ("device", "devic
            ("empty_cache", "empty_cache")]
 
 
-def status_bundle(table: dict[int, dict], config: KernelConfig) -> dict:
-    """A display_data content for the ranks' status."""
+def status_bundle(table: dict[int, dict], config: KernelConfig, output_log: str = "") -> dict:
+    """A display_data content for the ranks' status (and where the kernel's output log is)."""
     cols = [(k, h) for k, h in COLUMNS if k == "rank" or any(k in row for row in table.values())]
     rows = [[str(rank)] + [_cell(row.get(k)) for k, _ in cols[1:]] for rank, row in sorted(table.items())]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, (_, h) in enumerate(cols)]
@@ -33,8 +33,9 @@ def status_bundle(table: dict[int, dict], config: KernelConfig) -> dict:
     text = [config.describe(), line] + ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h in cols)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
-    return {"data": {"text/plain": "\n".join(text),
-                     "text/html": f"<p>{html.escape(config.describe())}</p><table><tr>{head}</tr>{body}</table>"},
+    log = f"<p>output log: <code>{html.escape(output_log)}</code></p>" if output_log else ""
+    return {"data": {"text/plain": "\n".join(text + ([f"output log: {output_log}"] if output_log else [])),
+                     "text/html": f"<p>{html.escape(config.describe())}</p><table><tr>{head}</tr>{body}</table>{log}"},
             "metadata": {}}
 
 
@@ -48,18 +49,20 @@ STARTING = "being started anew (--respawn on)"
 
 async def run_parent_magics(ranks: Ranks, magics: tuple[tuple[str, str], ...],
                             publish: Callable[[str, dict], None],
-                            set_output: Callable[[str], None], starting: Collection[int] = ()) -> dict | None:
+                            set_output: Callable[[str], None], starting: Collection[int] = (),
+                            output_log: str = "") -> dict | None:
     """Run a cell's parent magics in order (``(name, argument)`` each); the first one's error
     content ends them. ``publish(msg_type, content)`` shows their output in the cell;
     ``set_output`` takes ``%dist_output``'s policy; ``starting``: the ranks ``--respawn on`` is
-    starting anew now (``%dist_status`` shows them so, without waiting)."""
+    starting anew now (``%dist_status`` shows them so, without waiting); ``output_log`` is where
+    the kernel's output log is (``%dist_status`` says)."""
     for name, arg in magics:
         if name == "dist_status":
             table, loads = await asyncio.gather(ranks.status(), status_loads(ranks))
             # %dist_top's columns as a snapshot; n/a where unknown (no NVML, no GPU)
             table = {r: {**row, **status_columns(loads.get(r, {})), **({"state": STARTING} if r in starting else {})}
                      for r, row in table.items()}
-            publish("display_data", status_bundle(table, ranks.config))
+            publish("display_data", status_bundle(table, ranks.config, output_log))
         elif name == "dist_output":
             if arg not in ("all", "rank0"):
                 return error_content(UsageError, f"%dist_output {arg!r}: use `%dist_output all` "

@@ -106,3 +106,16 @@ def test_the_scale_benchmark_writes_its_table_json_and_chart(tmp_path: Path) -> 
     md = (out / "scale.md").read_text()
     assert "| 2 |" in md and "store_history=True" in md and md.startswith(kept)
     assert (out / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_output_log_benchmark_writes_its_table_and_json(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.output_log", "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads((tmp_path / "output_log.json").read_text())["rows"]
+    assert [r["cell"] for r in rows] == ["x = 1", "2,000 lines, labelled per rank", "`\\r` bar, 500 frames"]
+    assert all(r["rt_ms_on"] > 0 and r["rt_ms_off"] > 0 and r["cpu_ratio"] > 0 for r in rows)
+    assert "| x = 1 |" in (tmp_path / "output_log.md").read_text()

@@ -119,7 +119,8 @@ def test_dist_status_lists_every_rank(kernel2):
     assert "2 ranks, backend gloo" in lines[0]
     for needed in ("pid", "host", "device", "state", "RSS MB"):
         assert needed in lines[1]
-    assert len(lines) == 4 and all(" idle " in line and " cpu " in line for line in lines[2:])
+    assert len(lines) == 5 and all(" idle " in line and " cpu " in line for line in lines[2:4])
+    assert lines[4].startswith("output log: ") and lines[4].endswith("follow it with tail -F)")
     assert "<table>" in table.content["data"]["text/html"]
 
 

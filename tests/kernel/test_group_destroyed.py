@@ -21,7 +21,7 @@ def group_column(k: DistKernel) -> list[str]:
     (shown,) = k.execute("%dist_status", timeout=30).of_type("display_data")
     head, *rows = shown.text.splitlines()[1:]
     at = head.index("group")
-    return [row[at:].split()[0] for row in rows]
+    return [row[at:].split()[0] for row in rows if row[:1].isdigit()]  # the output log's line aside
 
 
 def test_destroyed_on_every_rank_it_stays_down_says_how_to_get_it_back_and_init_by_hand_works(group_kernel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -160,6 +161,39 @@ def test_run_whose_kernel_is_killed_ends_naming_the_cell_instead_of_waiting_fore
         assert any("cell 2 of 2 failed: the kernel died" in line for line in err), err
     finally:
         end_process_tree(proc)
+
+
+def test_a_run_killed_after_cell_2_of_4_left_a_notebook_with_cells_1_and_2(tmp_path):
+    # as papermill does (issue 35): the notebook is written after every cell, not only at the end
+    mark, out = tmp_path / "cell-3-runs", tmp_path / "out.ipynb"
+    path = tmp_path / "four.ipynb"
+    nbformat.write(notebook("print('one')", "print('two', rank)",
+                            f"import time\nif rank == 0:\n    open({str(mark)!r}, 'w').close()\ntime.sleep(600)",
+                            "print('four')"), path)
+    proc = subprocess.Popen([sys.executable, "-m", "dist_kernel", "run", str(path), "--ranks", "2",
+                             "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    started: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not mark.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "cell 3 never ran"
+            time.sleep(0.2)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()  # no handler, no finally: what is on disk is what the run wrote before
+        proc.wait(timeout=30)
+        saved = nbformat.read(out, as_version=4)
+        assert [c.execution_count for c in saved.cells] == [1, 2, None, None]
+        assert saved.cells[0].outputs[0].text == "one\n"
+        assert saved.cells[1].outputs[0].text == "[rank 0] two 0\n[rank 1] two 1\n"
+        assert saved.cells[2].outputs == [] and saved.cells[3].outputs == []
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["cell-3-runs", "four.ipynb", "out.ipynb"]
+        _, alive = psutil.wait_procs(started, timeout=60)
+        assert alive == []  # the kernel and its ranks noticed the runner was gone
+    finally:
+        end_process_tree(proc)
+        for p in started:  # failed: what the killed runner left
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
 
 def test_run_of_cells_whose_output_widgets_capture_prints_ends(tmp_path):

@@ -10,7 +10,7 @@ from dist_kernel import capacity
 
 def status_rows(res) -> list[str]:
     (table,) = res.of_type("display_data")
-    return table.text.splitlines()[2:]
+    return [line for line in table.text.splitlines()[2:] if line[:1].isdigit()]  # the output log's line aside
 
 
 def error_of(res) -> dict:

@@ -283,7 +283,8 @@ def test_a_node_agent_adds_its_ranks_load_to_its_beats_only_while_the_parent_ask
 def test_the_terminal_status_is_drawn_under_complete_lines_erased_before_output_and_gone_at_the_end():
     import io
 
-    from dist_kernel.statusline import ERASE, StatusLine, is_top
+    from dist_kernel.statusline import ERASE, StatusLine
+    from dist_kernel.text_output import is_top
 
     top = {"msg_type": "update_display_data", "content": {"data": {"text/plain": "t"}, "metadata": {
         "dist_kernel": {"top": True}}}}
