@@ -33,7 +33,12 @@ class RankDiedError(DistKernelError):
 
 
 class RankRequestError(DistKernelError):
-    """A rank answered a typed request of the parent with an error."""
+    """A rank answered a typed request of the parent with an error (``ename``, ``evalue``: the
+    rank's own words for it)."""
+
+    def __init__(self, message: str, ename: str = "", evalue: str = "") -> None:
+        super().__init__(message)
+        self.ename, self.evalue = ename, evalue
 
 
 # Errors the kernel reports in a cell (as an ``error`` output; never raised in the parent)

@@ -179,9 +179,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("seed", whole(0), None, "random seed shared by every rank (default: random)", _SUPERVISOR,
            metavar="N"),
     Option("hang_grace", positive, "10", "seconds a rank may wait in a collective the others never "
-           "entered (default {default})", _KERNEL, metavar="S"),
+           "entered (default {default})", "dist_kernel.parent.execution", metavar="S"),
     Option("respawn", switch, "off", "start a rank that died anew at once, in its place; the other ranks keep "
-           "their variables (default {default})", _KERNEL, metavar="on|off"),
+           "their variables (default {default})", "dist_kernel.parent.execution", metavar="on|off"),
     Option("empty_cache", switch, "on", "gc + torch.cuda.empty_cache() after each cell (default {default})",
            _SUPERVISOR, metavar="on|off", rank_switch=True),
     Option("rich_output", choice(*OUTPUT_POLICIES), "all", "rich output from every rank (merged) or "

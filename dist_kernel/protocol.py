@@ -9,9 +9,9 @@ rank answers while its shell runs a long cell or is blocked in a C++ collective.
 
 Wire format (the ``content`` of the Jupyter message; HMAC-signed like every Jupyter message)::
 
-    dist_request  {"version": 2, "op": "<op>", "args": {<the request's fields>}}
-    dist_reply    {"version": 2, "op": "<op>", "status": "ok",    "result": {<the reply's fields>}}
-    dist_reply    {"version": 2, "op": "<op>", "status": "error", "ename": "...", "evalue": "..."}
+    dist_request  {"version": 3, "op": "<op>", "args": {<the request's fields>}}
+    dist_reply    {"version": 3, "op": "<op>", "status": "ok",    "result": {<the reply's fields>}}
+    dist_reply    {"version": 3, "op": "<op>", "status": "error", "ename": "...", "evalue": "..."}
 
 Both sides validate on receipt (:func:`parse_request`, :func:`parse_reply`): an unknown op,
 a missing or extra field, or a field of the wrong type is a :class:`ProtocolError`; the rank
@@ -34,7 +34,8 @@ from typing import Any, ClassVar, Union
 from dist_kernel.options import RANK_SWITCHES
 
 #: 2: ``sync``, ``Join.local_world_size``, ``Place.cuda_wait`` and ``Place.pending`` (issue 29)
-VERSION = 2
+#: 3: ``Place.operands`` (issue 36)
+VERSION = 3
 REQUEST = "dist_request"
 REPLY = "dist_reply"
 
@@ -213,6 +214,17 @@ class Pending:
 
 
 @dataclass(frozen=True)
+class Operand:
+    """A tensor that a rank blocked in a torch.distributed call holds there (an argument, or a
+    local the call made of one): what the fault policy compares between ranks blocked in the
+    same collective, which needs the same shape and dtype on every rank."""
+
+    name: str  # the argument's name in torch's function ("tensor", "output_tensor")
+    dtype: str  # "float32", as torch names it without "torch."
+    shape: list[int]
+
+
+@dataclass(frozen=True)
 class Place:
     """Reply to :class:`Where`.
 
@@ -257,6 +269,9 @@ class Place:
     #: NCCL only: the collectives this rank started that have not completed (the flight recorder's),
     #: read while it is in a CUDA synchronisation; the oldest first
     pending: list[Pending] = field(default_factory=list)
+    #: the tensors the torch.distributed call it is blocked in holds (``collective`` set), by name,
+    #: dtype and shape; read only when a look is due. [] otherwise
+    operands: list[Operand] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -408,7 +408,8 @@ class RankChannel:
             self._pending.pop(msg_id, None)
         reply = protocol.parse_reply(msg["content"], req.op)
         if isinstance(reply, protocol.ErrorReply):
-            raise RankRequestError(f"rank {self.rank}: {req.op} failed: {reply.ename}: {reply.evalue}")
+            raise RankRequestError(f"rank {self.rank}: {req.op} failed: {reply.ename}: {reply.evalue}", reply.ename,
+                                   reply.evalue)
         return reply
 
     def input(self, value: str) -> None:

@@ -28,6 +28,7 @@ from dist_kernel.parent.magics import format_ranks
 from dist_kernel.parent.relay import Outlet, OutputRelay
 
 if TYPE_CHECKING:
+    from dist_kernel.options import KernelConfig
     from dist_kernel.parent.ranks import CellRanks
     from dist_kernel.protocol import Place
 
@@ -68,6 +69,17 @@ class CellSpec:
     reform_timeout: float = 120.0  # for re-forming a group the cell broke
     respawn: bool = False  # --respawn on: a rank that died is started anew once the cell ends
     parent: dict = field(default_factory=dict)  # the frontend's request
+
+    @classmethod
+    def of(cls, cfg: KernelConfig, ranks: tuple[int, ...] | None, execution_count: int, parent: dict,
+           rank0_rich: bool = False) -> CellSpec:
+        """A run of the frontend's request ``parent`` on ``ranks`` (None: every rank), by the
+        kernel's options; ``rank0_rich``: rich output from the first of them only (``%dist_output rank0``)."""
+        world = tuple(range(cfg.world_size))
+        ranks = world if ranks is None else ranks
+        return cls(ranks, world, execution_count, cfg.merge_window, hang_grace=cfg.hang_grace,
+                   rich_from=ranks[0] if rank0_rich else None, reform_timeout=cfg.startup_timeout,
+                   respawn=cfg.respawn, parent=parent)
 
 
 @dataclass(frozen=True)
@@ -159,8 +171,12 @@ class CellRun:
         returns the merged error or None."""
         await self.relay.until_finished(self._maybe_look)
         if self._looking is not None and not self._looking.done():
-            # a late look must not tear down the group that is about to be re-formed
-            self._looking.cancel()
+            if not (self.group_broken and self.torn_down_at is None):
+                # a late look must not tear down the group that is about to be re-formed
+                self._looking.cancel()
+            # but a teardown under way ends first (each rank answers it within seconds): the ranks
+            # it freed may finish before their own teardown ran, which, coming after the group was
+            # formed again, would destroy the new one
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._looking
         dead = self.dead()

@@ -25,10 +25,17 @@ each busy rank waits, the time) and gets back a decision. The rules:
    rank, tear the group down on every rank: the blocked ones raise at once.
    Grace: ``hang_grace`` after the first rank finished (or after the start, when ``%%rank``
    left ranks out), 1 s when a finished rank failed.
-3. **Mismatched collectives.** Every busy rank is blocked in a torch.distributed call, none is
-   idle, the calls cannot complete each other (different collectives, different sequence
-   numbers, two ranks each receiving from the other), and nothing changed for half the grace:
-   a deadlock. Tear the group down on every rank. Reported within ``hang_grace``.
+3. **Mismatched collectives.** Every busy rank is blocked, none is idle, the calls cannot
+   complete each other, and nothing changed for half the grace: a deadlock. Tear the group down
+   on every rank. Reported within ``hang_grace``. They cannot complete each other
+   (:mod:`dist_kernel.parent.mismatch`) when they are different calls (collectives, sequence
+   numbers, two ranks each receiving from the other); when one collective that needs the same
+   tensors on every rank holds different ones (``dist.all_reduce(torch.ones(rank + 1))``: each
+   rank's shapes and dtypes named, as torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` would, but
+   compared only now); or when a rank blocked in a collective torch started in C++ (DDP's
+   forward, ``backward()``) has started at least as many collectives on a group as the one
+   another rank is blocked in from Python there (a ``barrier``: accelerate's
+   ``join_uneven_inputs``).
 4. **Interrupt.** One second after the stop button, ranks still blocked in a collective, or in
    a C++ call of torch's distributed code, did not react to SIGINT (C++ does not return to
    Python): tear the group down on every rank.
@@ -75,6 +82,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, TypeAlias
 
 from dist_kernel.exceptions import CollectiveHangError, RankDiedError
+from dist_kernel.parent import mismatch
 from dist_kernel.parent.magics import format_ranks
 from dist_kernel.protocol import Pending, Place
 
@@ -89,7 +97,6 @@ GIVE_UP_AFTER = 5.0
 REPORT_WITHIN = 30.0
 #: how long a survivor of a dead peer may take to stop
 STOP_TIMEOUT = 3.0
-P2P = ("send", "recv", "isend", "irecv")
 
 Action = Literal["wait", "stop", "teardown", "abandon"]
 
@@ -124,6 +131,8 @@ class Cell:
     idle_seqs: dict[int, int] = field(default_factory=dict)
     #: ranks stopped at a breakpoint of JupyterLab's debugger (rule 7)
     debug_stopped: tuple[int, ...] = ()
+    #: what an idle rank is, in the words of rule 2's report (a cell's, or ``%dist_sync``'s)
+    idle_means: str = "idle: finished or not selected by %%rank"
 
     @functools.cached_property
     def idle(self) -> tuple[int, ...]:
@@ -253,7 +262,7 @@ class Judge:
             return WAIT
         stuck = {r: f"rank {r} was blocked in {_blocked_in(found[r])}, which rank "
                     f"{format_ranks(waiting[r] or sorted(idle))} never entered "
-                    f"(idle: finished or not selected by %%rank)" + _partial(found[r]) for r in busy}
+                    f"({cell.idle_means})" + _partial(found[r]) for r in busy}
         # on every rank: the idle ranks' teardown frees only ranks blocked *with them*. At 4
         # ranks, a rank freed that way may be the one another busy rank waits for (gloo's ring
         # all_reduce: rank 0 waits for rank 1, freed by idle rank 2), and it keeps its connections
@@ -262,17 +271,16 @@ class Judge:
         return Verdict("teardown", stuck, teardown_on=tuple(r for r in cell.world if r not in cell.dead))
 
     def _mismatched(self, cell: Cell, busy: list[int], found: dict[int, Place], now: float) -> Verdict:
-        if not busy or any(not (r in found and _blocked(found[r])) for r in busy):
+        if not busy or any(not (r in found and (_blocked(found[r]) or _in_cpp(found[r]))) for r in busy):
             return WAIT
-        places = {r: found[r] for r in busy}
-        if _can_complete(places):
+        why = mismatch.unmatched({r: found[r] for r in busy}, cell.world)
+        if not why:
             return WAIT
         steady = min(now - self._since[r][1] for r in busy)
         if steady < cell.hang_grace / 2 - 1e-9:
             return WAIT  # maybe a rank is just passing through; confirm at the next look
-        summary = ", ".join(f"rank {r} in {_call(places[r])}" for r in busy)
-        stuck = {r: f"every rank is blocked in torch.distributed calls that cannot complete each other "
-                    f"({summary})" for r in busy}
+        stuck = {r: f"every rank is blocked in torch.distributed calls that cannot complete each other ({why})"
+                 for r in busy}
         return Verdict("teardown", stuck, teardown_on=tuple(r for r in cell.world if r not in cell.dead))
 
 
@@ -388,6 +396,12 @@ def _behind(cell: Cell, s: Place) -> list[int]:
     return sorted(r for r, seq in cell.idle_seqs.items() if r in cell.idle and r in members and seq < s.group_seq)
 
 
+def _in_cpp(s: Place) -> bool:
+    """Is the rank in a collective that torch started in C++, with none called from Python on its
+    stack (DDP's forward or constructor, ``backward()``), not an NCCL wait on the GPU (rule 8)?"""
+    return s.collective is None and not _on_gpu(s) and bool(s.native or s.in_backward)
+
+
 def _on_gpu(s: Place) -> bool:
     """Is the rank waiting for the GPU while NCCL collectives it started are pending (rule 8)?"""
     return bool(s.cuda_wait and s.pending and s.collective is None)
@@ -438,33 +452,3 @@ def _blocked_in(s: Place) -> str:
     if s.store_wait:
         return f"torch.distributed.{s.collective}() (group creation, which every rank must enter)"
     return f"torch.distributed.{s.collective}()"
-
-
-def _call(s: Place) -> str:
-    extra = []
-    if s.peer is not None:
-        extra.append(("src=" if s.collective in ("recv", "irecv") else "dst=") + str(s.peer))
-    if s.seq is not None:
-        extra.append(f"#{s.seq}")
-    return f"{s.collective}({', '.join(extra)})"
-
-
-def _can_complete(places: dict[int, Place]) -> bool:
-    """Could the calls these ranks are blocked in complete each other?"""
-    p2p = {r: s for r, s in places.items() if s.collective in P2P}
-    coll = {r: s for r, s in places.items() if s.collective not in P2P}
-    for r, s in p2p.items():  # a send must face a recv from the other side, and vice versa
-        other = p2p.get(s.peer) if s.peer is not None else None
-        sending = s.collective in ("send", "isend")
-        if other is None or other.peer != r or (other.collective in ("send", "isend")) == sending:
-            return False
-    if coll:
-        kinds = {(s.collective, tuple(s.group_ranks), s.seq) for s in coll.values()}
-        if len(kinds) != 1:
-            return False
-        (_, group, _), = kinds
-        members = set(group) if group else set(places)
-        if not members <= set(coll):  # a member of its group is elsewhere (a p2p call)
-            return False
-    return True
-

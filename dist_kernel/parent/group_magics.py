@@ -4,7 +4,8 @@
   ``%%rank`` writes them), and form the group again; the survivors keep their variables;
 - ``%dist_ranks [N]``: alone, the rank count and where it comes from; with N, grow or shrink the
   ranks on this machine to N;
-- ``%dist_sync NAME [NAME ...] [--from R]``: copy variables from rank R (0) to every other rank.
+- ``%dist_sync NAME [NAME ...] [--from R]``: copy variables from rank R (0) to every other rank,
+  watched as a cell is (:mod:`dist_kernel.parent.sync_run`).
 
 The work is the supervisor's (:mod:`dist_kernel.parent.membership`) and the ranks'
 (:mod:`dist_kernel.rank.sync`); this module reads the arguments and says what happened.
@@ -13,7 +14,7 @@ The work is the supervisor's (:mod:`dist_kernel.parent.membership`) and the rank
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from dist_kernel.exceptions import (
@@ -33,10 +34,27 @@ if TYPE_CHECKING:
 
 NAMES = ("dist_respawn", "dist_ranks", "dist_sync")
 Publish = Callable[[str, dict], None]
+#: ``%dist_sync``'s copy, watched (the kernel's: :class:`~dist_kernel.parent.sync_run.SyncRun`):
+#: (names, source rank) -> what was copied, in words
+Copy = Callable[[list[str], int], Awaitable[str]]
+
+#: the names the kernel defines on each rank (``join``), with what each holds there: rank 0's
+#: copied to every rank would tell each one it is rank 0
+KERNEL_NAMES = {"rank": "this rank's number", "world_size": "the number of ranks",
+                "local_rank": "this rank's number on its machine", "device": "this rank's device"}
+
+
+class MagicFailed(Exception):
+    """A magic failed with this ``error`` content: its name, its message and the notes after it
+    (the process group re-formed, how to bring a dead rank back)."""
+
+    def __init__(self, error: dict) -> None:
+        super().__init__(error.get("evalue", ""))
+        self.error = error
 
 
 async def run_group_magics(ranks: Ranks, magics: tuple[tuple[str, str], ...], publish: Publish,
-                           started_with: int) -> dict | None:
+                           started_with: int, copy: Copy) -> dict | None:
     """Run this module's magics among a cell's parent magics, in order; the first error ends them.
     ``started_with``: the rank count the kernel started with (its kernelspec's)."""
     for name, arg in magics:
@@ -48,7 +66,10 @@ async def run_group_magics(ranks: Ranks, magics: tuple[tuple[str, str], ...], pu
             elif name == "dist_ranks":
                 text = await _ranks(ranks, arg, started_with)
             else:
-                text = await _sync(ranks, arg)
+                names, src = parse_sync(arg, ranks.config.world_size)
+                text = await copy(names, src)
+        except MagicFailed as e:
+            return e.error
         except (ConfigError, RankSpecError, UsageError, RankDiedError, RankStartError) as e:
             return error_content(type(e), str(e) or words.magic_failed(name, arg, e))
         except Exception as e:  # noqa: BLE001 - a rank that failed to start or join: said, the kernel stays
@@ -94,32 +115,39 @@ def parse_sync(arg: str, world_size: int) -> tuple[list[str], int]:
     if bad or not words:
         raise UsageError(f"%dist_sync {arg!r}: give the variables' names, e.g. `%dist_sync model opt --from 0`"
                          + (f" ({bad[0]!r} is not a name)" if bad else "") + ".")
+    own = [w for w in words if w in KERNEL_NAMES]
+    if own:
+        name = own[0]
+        raise UsageError(f"%dist_sync {name}: `{name}` is defined by the kernel on each rank ({KERNEL_NAMES[name]}), "
+                         f"so every rank already has its own; copying rank {src}'s would give every rank rank "
+                         f"{src}'s value. Copy a variable of your own (nothing was copied).")
     return words, src
 
 
-async def _sync(ranks: Ranks, arg: str) -> str:
-    names, src = parse_sync(arg, ranks.config.world_size)
-    replies = await ranks.sync(names, src)
-    return sync_report(names, src, replies)
+def copied_lines(names: list[str], src: int, replies: dict[int, Synced | str]) -> list[str]:
+    """What arrived where, per name: ``t to rank 1,2: tensor 2x3 float32``."""
+    copied: dict[str, dict[str, list[int]]] = {}
+    for r, reply in sorted(replies.items()):
+        if not isinstance(reply, str) and r != src:
+            for name, how in reply.copied.items():
+                copied.setdefault(name, {}).setdefault(how, []).append(r)
+    return [f"{name} to rank {format_ranks(rs)}: {how}" for name in names for how, rs in copied.get(name, {}).items()]
 
 
 def sync_report(names: list[str], src: int, replies: dict[int, Synced | str]) -> str:
     """What ``%dist_sync`` did, per name; raises :class:`UsageError` naming what could not be copied."""
     lost = {r: why for r, why in replies.items() if isinstance(why, str)}
     failed: dict[str, dict[str, list[int]]] = {}
-    copied: dict[str, dict[str, list[int]]] = {}
     for r, reply in sorted(replies.items()):
         if isinstance(reply, str) or r == src:
             continue
         for name, why in reply.failed.items():
             failed.setdefault(name, {}).setdefault(why, []).append(r)
-        for name, how in reply.copied.items():
-            copied.setdefault(name, {}).setdefault(how, []).append(r)
     source = replies.get(src)
     if not isinstance(source, str) and source is not None:
         for name, why in source.failed.items():  # not on the source, or cannot travel: said once, for all
             failed[name] = {why: []}
-    lines = [f"{name} to rank {format_ranks(rs)}: {how}" for name in names for how, rs in copied.get(name, {}).items()]
+    lines = copied_lines(names, src, replies)
     if failed or lost:
         problems = [f"{name}: {why}" + (f" (rank {format_ranks(rs)})" if rs else "")
                     for name in names for why, rs in failed.get(name, {}).items()]

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from ipykernel.kernelbase import Kernel
 from jupyter_client.session import Session
@@ -44,10 +44,12 @@ from dist_kernel.parent.startup import StartWait, dead_in, unusable
 from dist_kernel.parent.status import run_parent_magics
 from dist_kernel.parent.stdin import InputBroker
 from dist_kernel.parent.supervisor import RankSupervisor
+from dist_kernel.parent.sync_run import SyncRun
 from dist_kernel.parent.throttle import OutputBudget
 from dist_kernel.parent.top import TopMonitor
 from dist_kernel.protocol import META_CELL, META_RANKS, META_SOURCE, with_meta
 
+Run = TypeVar("Run", bound=CellRun)
 AT_BREAKPOINT = ("rank {rank} is stopped at a breakpoint (debugger): the other ranks run on until they wait for it "
                  "in a collective. Continue in the debugger, or press stop to end the cell on every rank.")
 
@@ -131,7 +133,7 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
         if isinstance(cfg, KernelConfig):
             sup = RankSupervisor(cfg, self.debug.routing(self.comms.on_unrouted), self.on_rank_death, log=self.log,
                                  on_stdin=self.on_rank_stdin, on_stopped=self.on_rank_stopped,
-                                 extra_argv=self.extra_argv, on_note=self.on_start_note)
+                                 extra_argv=self.extra_argv, on_note=self._starting.note)
             atexit.register(_last_cleanup, sup)
             ranks = SupervisedRanks(sup)
             self.attach(ranks)
@@ -175,10 +177,6 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
                           metadata=metadata, buffers=buffers)
         self.output_log.output(parent, msg_type, content)
 
-    def _set_output_policy(self, policy: str) -> None:
-        """``%dist_output``: rich output from every rank, merged, or from rank 0 only."""
-        self.output_policy = policy
-
     def _fail(self, parent: dict, err: dict, silent: bool) -> dict:
         if not silent:
             self._publish(parent, "error", err)
@@ -208,9 +206,10 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
         if plan.magics:
             self._held.release()
             err = await self.debug.run_magics(ranks, plan.magics, say) or self.top.run_magics(plan.magics, say) \
-                or await run_parent_magics(ranks, plan.magics, say, self._set_output_policy, self._respawning.starting,
-                                           self.output_log.note) \
-                or await run_group_magics(ranks, plan.magics, say, getattr(self.dist_config, "world_size", 0))
+                or await run_parent_magics(ranks, plan.magics, say, functools.partial(setattr, self, "output_policy"),
+                                           self._respawning.starting, self.output_log.note) \
+                or await run_group_magics(ranks, plan.magics, say, getattr(self.dist_config, "world_size", 0),
+                                          functools.partial(self._copy, parent))
             if err:
                 return self._fail(parent, err, silent)
             if not plan.code.strip():
@@ -223,10 +222,7 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
             return self._fail(parent, err, silent)
         await self.group.reform_if_due(ranks, cfg.startup_timeout, first=self._held.release)
         await self.debug.follow(ranks)  # the debugged rank's process was replaced: its breakpoints are set there again
-        spec = CellSpec(plan.ranks, tuple(range(cfg.world_size)), self.execution_count, cfg.merge_window,
-                        hang_grace=cfg.hang_grace, rich_from=plan.ranks[0] if self.output_policy == "rank0" else None,
-                        reform_timeout=cfg.startup_timeout, respawn=cfg.respawn, parent=parent)
-        run = CellRun(spec, self._outlet(parent), ranks, group=self.group, debug_stopped=self.debug.stopped_ranks)
+        run = self._run(CellRun, plan.ranks, parent)
         content = {"code": plan.code, "silent": silent, "store_history": store_history,
                    "user_expressions": user_expressions or {}, "allow_stdin": allow_stdin,
                    "stop_on_error": False}
@@ -234,7 +230,7 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
         # rank-side code (fastai's show_batch) shows what one process would once, from the first
         # and the frontend's msg_id: comms the ranks open for it are named after it (widgets as one)
         meta = with_meta({"cellId": cell_id} if cell_id else {},
-                         {**({} if plan.ranks == spec.world else {META_RANKS: list(plan.ranks)}),
+                         {**({} if plan.ranks == run.world else {META_RANKS: list(plan.ranks)}),
                           META_CELL: parent["header"]["msg_id"],
                           # the debugger's file of the cell is named after the source the frontend sent
                           **({META_SOURCE: code} if plan.code != code else {})})
@@ -267,6 +263,20 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
                 # payloads (pager, set_next_input) from one rank only, or the frontend acts N times
                 "payload": payload}
 
+    def _run(self, kind: type[Run], on: tuple[int, ...] | None, parent: dict) -> Run:
+        """A run of the frontend's request ``parent`` on ``on`` (None: every rank), by the kernel's options."""
+        assert self.ranks is not None  # a run needs the ranks
+        spec = CellSpec.of(self.ranks.config, on, self.execution_count, parent, self.output_policy == "rank0")
+        return kind(spec, self._outlet(parent), self.ranks, self.group, debug_stopped=self.debug.stopped_ranks)
+
+    async def _copy(self, parent: dict, names: list[str], src: int) -> str:
+        """``%dist_sync`` as the current cell (:class:`SyncRun`): the stop button and deaths reach it."""
+        self._current = run = self._run(SyncRun, None, parent)
+        try:
+            return await run.copy(names, src)
+        finally:
+            self._current = None
+
     def _outlet(self, parent: dict) -> Outlet:
         """Where the output of the frontend's request ``parent`` goes."""
         return Outlet(lambda t, c: self._publish(parent, t, c), lambda rank, msg: self.comms.relay(rank, msg, parent),
@@ -290,11 +300,6 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
             self._current.on_rank_died(rank, reason)
         elif self.ranks is not None:
             self._respawning.died(self.ranks, rank, reason)
-
-    def on_start_note(self, text: str) -> None:
-        """The launcher's news while the ranks start (waiting in the Slurm queue, job id): shown
-        in the cell that waits for them, or in the first cell."""
-        self._starting.note(text)
 
     def on_rank_stopped(self, rank: int, state: str) -> None:
         """A rank was stopped (``state`` in words) or runs again (``state`` empty)."""
@@ -337,11 +342,7 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
     async def comm_open(self, stream: Any, ident: Any, parent: dict) -> None:
         self.comms.forward(self.ranks, parent)
 
-    async def comm_msg(self, stream: Any, ident: Any, parent: dict) -> None:
-        self.comms.forward(self.ranks, parent)
-
-    async def comm_close(self, stream: Any, ident: Any, parent: dict) -> None:
-        self.comms.forward(self.ranks, parent)
+    comm_msg = comm_close = comm_open  # each goes to the ranks that own the comm
 
     async def comm_info_request(self, stream: Any, ident: Any, parent: dict) -> None:
         """The comms of every rank, merged."""

@@ -159,22 +159,15 @@ async def _ended(sup: RankSupervisor, ranks: list[int]) -> None:
     await asyncio.gather(*(sup.launcher.end(r) for r in ranks))
 
 
-async def sync(sup: RankSupervisor, names: list[str], src: int) -> dict[int, protocol.Synced | str]:
-    """``%dist_sync``: every rank takes part at once (a collective); each rank's reply, or why it
-    gave none. The ranks must be idle, and the group up."""
+def sync(sup: RankSupervisor, names: list[str], src: int) -> dict[int, asyncio.Future]:
+    """``%dist_sync``: ask every rank at once to copy ``names`` from rank ``src`` (a collective);
+    each rank's reply to come (a :class:`~dist_kernel.protocol.Synced`; it raises why the rank gave
+    none). The ranks must be idle, and the group up. Whoever awaits them watches the ranks
+    meanwhile, as a cell's run does (:mod:`dist_kernel.parent.sync_run`); ``--timeout`` is the last bound."""
     dead = dead_ranks(sup)
     if dead:
         raise ConfigError(words.dead_first(dead, "%dist_sync"))
     if src not in sup.ranks:
         raise ConfigError(f"%dist_sync --from {src}: this kernel has ranks 0-{len(sup.ranks) - 1}.")
     req = protocol.Sync(names=names, src=src)
-
-    async def one(rank: int) -> protocol.Synced | str:
-        try:
-            reply = await sup.channel(rank).request(req, timeout=sup.config.timeout)
-        except Exception as e:  # noqa: BLE001 - said per rank: a failed rank does not hide the others
-            return str(e) or type(e).__name__
-        return reply if isinstance(reply, protocol.Synced) else f"unexpected reply {reply!r}"
-
-    results = await asyncio.gather(*(one(r) for r in sorted(sup.ranks)))
-    return dict(zip(sorted(sup.ranks), results, strict=True))
+    return {r: asyncio.ensure_future(sup.channel(r).request(req, timeout=sup.config.timeout)) for r in sorted(sup.ranks)}

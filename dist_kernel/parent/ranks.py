@@ -27,7 +27,7 @@ from dist_kernel.processes import state_words
 if TYPE_CHECKING:
     from dist_kernel.options import KernelConfig
     from dist_kernel.parent.supervisor import RankSupervisor
-    from dist_kernel.protocol import Place, Synced
+    from dist_kernel.protocol import Place
 
 #: an IOPub message of a rank, for the request it was sent for
 IOPubHandler = Callable[[dict], None]
@@ -152,8 +152,10 @@ class Ranks(CellRanks, Protocol):
     async def resize(self, n: int) -> tuple[list[int], list[int]]:
         """``%dist_ranks N``: the ranks started and ended to have ``n``; the group is formed again."""
 
-    async def sync(self, names: list[str], src: int) -> dict[int, Synced | str]:
-        """``%dist_sync``: each rank's reply, or why it gave none."""
+    def sync(self, names: list[str], src: int) -> dict[int, asyncio.Future]:
+        """``%dist_sync``: ask every rank at once to copy ``names`` from rank ``src``; each rank's
+        reply to come (a :class:`~dist_kernel.protocol.Synced`, or it raises why the rank gave
+        none). Raises :class:`~dist_kernel.exceptions.ConfigError` when a rank is dead."""
 
     async def shutdown(self, now: bool = False) -> None:
         """End every rank."""
@@ -224,8 +226,8 @@ class SupervisedRanks:
     async def resize(self, n: int) -> tuple[list[int], list[int]]:
         return await membership.resize(self.sup, n)
 
-    async def sync(self, names: list[str], src: int) -> dict[int, Synced | str]:
-        return await membership.sync(self.sup, names, src)
+    def sync(self, names: list[str], src: int) -> dict[int, asyncio.Future]:
+        return membership.sync(self.sup, names, src)
 
     def live(self) -> list[int]:
         return self.sup.live_ranks()

@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from types import FrameType
 
-from dist_kernel.protocol import META_RANKS, META_SOLO, Done, Place, RankStatus, meta_of, ranks_from, with_meta
+from dist_kernel.protocol import META_RANKS, META_SOLO, Done, Operand, Place, RankStatus, meta_of, ranks_from, with_meta
 from dist_kernel.rank import nccl, store
 
 _state: dict[str, object] = {"empty_cache": True, "busy": False}
@@ -107,6 +107,27 @@ def showing_traceback(cell_failed: bool, error: BaseException | None = None) -> 
         _state["in_code"] = before and not cell_failed
 
 
+@contextlib.contextmanager
+def on_request(what: str) -> Iterator[None]:
+    """A request the parent runs on the main thread as it runs a cell (``%dist_sync``): the rank
+    is busy meanwhile (a teardown then cuts its connections instead of destroying the group
+    under it), the stop button's SIGINT raises in it, and ``where`` names its step (:func:`doing`)."""
+    before = (_state.get("busy"), _state.get("in_code"))
+    _state.update(busy=True, in_code=True, doing=what)
+    try:
+        yield
+    finally:
+        _state["busy"], _state["in_code"] = before
+        _state.pop("doing", None)
+
+
+def doing(what: str) -> None:
+    """The step the running request is at, in words: ``where``'s ``line`` while no cell line is
+    on the stack (``%dist_sync: copying model``)."""
+    if "doing" in _state:
+        _state["doing"] = what
+
+
 def group_seq() -> int | None:
     """The default group's collective sequence number (None without a group): ranks that
     disagree after an interrupted cell are out of step (one enqueued a collective the others
@@ -178,10 +199,13 @@ def where() -> Place:
     summary = [fs for fs in traceback.extract_stack(frame) if _user_frame(fs.filename)] if busy else []
     stack = [f'  File "{_short(fs.filename)}", line {fs.lineno}, in {fs.name}\n    {fs.line or ""}' for fs in summary]
     cell = [fs for fs in summary if _short(fs.filename) == "cell"]
-    line = f"line {cell[-1].lineno}: {cell[-1].line}" if cell else ""
+    line = f"line {cell[-1].lineno}: {cell[-1].line}" if cell else str(_state.get("doing") or "")
+    if not cell and _state.get("doing"):  # a request, not a cell (%dist_sync): its step, not torch's frames
+        stack = [f"  {_state['doing']}"]
     return Place(collective=collective, group_ranks=group_ranks, peer=peer, seq=seq, stack=stack,
                  line=line, busy=busy, store_wait=store_wait, in_code=in_code(), group_seq=group_seq(),
-                 in_backward=backward, native=native, cuda_wait=cuda_wait, pending=pending)
+                 in_backward=backward, native=native, cuda_wait=cuda_wait, pending=pending,
+                 operands=operands(dist_frame) if dist_frame is not None else [])
 
 
 #: torch's code that starts collectives in C++, with no torch.distributed collective on the stack
@@ -211,17 +235,61 @@ def _native_call(frame: FrameType) -> tuple[str, object]:
     names = [_frame_call(outer)]
     if frame is not outer:
         names.append(frame.f_code.co_name)
-    callee = _CALLEE.search(linecache.getline(frame.f_code.co_filename, frame.f_lineno))
-    if callee and callee[1] not in names:
-        names.append(callee[1])
+    callee = _callee(frame)
+    if callee and callee not in names:
+        names.append(callee)
     return " / ".join(names), group
 
 
+def _callee(frame: FrameType) -> str:
+    """The function a frame is calling now, read from its source: the call expression of the
+    instruction it is at (``self.reducer._rebuild_buckets()`` in ``if torch.is_grad_enabled()
+    and self.reducer._rebuild_buckets():``), else the first call on its line; "" when neither is
+    known."""
+    source = ""
+    positions = getattr(frame.f_code, "co_positions", None)  # Python 3.11+
+    try:
+        if positions is None or frame.f_lasti < 0:  # not started: no instruction
+            raise IndexError
+        line, end, col, end_col = list(positions())[frame.f_lasti // 2]
+        if line is not None and line == end and col is not None and end_col is not None:
+            source = linecache.getline(frame.f_code.co_filename, line)[col:end_col]
+    except (IndexError, ValueError):
+        pass
+    # f_lineno is None while a frame runs an instruction that has no line (seen once, in a look
+    # at a rank in DDP's code): no callee to name then, never a failed look
+    found = _CALLEE.search(source) or _CALLEE.search(linecache.getline(frame.f_code.co_filename,
+                                                                       frame.f_lineno or 0))
+    return found[1] if found else ""
+
+
+#: nn.Module's frames that call a module (``model(x)``): named after the module's forward
+_MODULE_CALLS = ("_wrapped_call_impl", "_call_impl")
+
+
 def _frame_call(f: FrameType) -> str:
-    """What the user called to enter this frame: a class's name for its constructor."""
+    """What the user called to enter this frame: a class's name for its constructor, a
+    module's forward for a call of the module."""
     if f.f_code.co_name == "__init__" and "self" in f.f_locals:
         return f"{type(f.f_locals['self']).__name__}(...)"
+    if f.f_code.co_name in _MODULE_CALLS and "self" in f.f_locals:
+        return f"{type(f.f_locals['self']).__name__}.forward"
     return f"{f.f_code.co_name}(...)"
+
+
+def operands(frame: FrameType) -> list[Operand]:
+    """The tensors a torch.distributed call holds (its frame's tensor arguments and locals, in
+    their order), by name, dtype and shape: what the fault policy compares between ranks blocked
+    in the same collective (rule 3). Read only in a ``where`` look, never on a cell's way."""
+    torch = sys.modules.get("torch")
+    kind = getattr(torch, "Tensor", None)
+    if kind is None:
+        return []
+    found = []
+    for name, value in list(frame.f_locals.items()):
+        if isinstance(value, kind):
+            found.append(Operand(name=name, dtype=str(value.dtype).removeprefix("torch."), shape=list(value.shape)))
+    return found
 
 
 def _group_in(names: dict) -> object:

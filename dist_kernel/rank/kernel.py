@@ -405,10 +405,17 @@ def _join(req: protocol.Join) -> protocol.Joined:
 
 
 def _sync(req: protocol.Sync) -> protocol.Synced:
-    """``%dist_sync``: copy variables from one rank to the others (:mod:`dist_kernel.rank.sync`)."""
+    """``%dist_sync``: copy variables from one rank to the others (:mod:`dist_kernel.rank.sync`),
+    as a cell runs: the stop button's SIGINT raises in it (between requests ipykernel ignores
+    SIGINT), and ``where`` sees a busy rank at a step of the copy."""
     from dist_kernel.rank import sync
 
-    return sync.sync(req)
+    previous = signal.signal(signal.SIGINT, _interrupt_cell)
+    try:
+        with agent.on_request("%dist_sync"):
+            return sync.sync(req)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _set_option(req: protocol.SetOption) -> protocol.Done:

@@ -174,3 +174,39 @@ def test_accelerate_prepare_and_notebook_launcher_under_rank_0_are_reported_and_
         assert "rank 0 was blocked in DistributedDataParallel(...)" in err["evalue"], err["evalue"]
         assert "prepared" not in res.stream()
         all_reduce_gives_two_and_variables_survived(k)
+
+
+# ------------------------------------------------------------------ issue 36, item 13: hangs seen only by their tensors
+@pytest.mark.timeout(300)
+def test_one_all_reduce_of_a_different_shape_on_each_rank_is_named_by_its_tensors(hang_kernel, busy_machine):
+    k = hang_kernel
+    res, took = timed(k, "dist.all_reduce(torch.ones(rank + 1))", timeout=HANG_GRACE * 4 + 60)
+    print(f"all_reduce of [1] and [2]: reported after {took:.2f} s (--hang-grace {HANG_GRACE})")
+    err = error_of(res)
+    text = err["evalue"] + "\n".join(err["traceback"])
+    assert err["ename"] == "CollectiveHangError", err
+    assert "rank 0 all_reduce of [1] float32, rank 1 of [2] float32: all_reduce needs the same shape and dtype " \
+           "on every rank" in err["evalue"], err["evalue"]
+    assert "re-formed" in text, text
+    all_reduce_gives_two_and_variables_survived(k)
+
+
+@pytest.mark.timeout(300)
+def test_ddp_forward_with_uneven_inputs_against_a_barrier_is_reported(hang_kernel, busy_machine):
+    # rank 0 runs one more step than rank 1: its second forward re-builds DDP's buckets, a
+    # broadcast started in C++, while rank 1 waits in a barrier called from Python
+    k = hang_kernel
+    k.execute("ddp = DDP(nn.Linear(2, 2))")
+    code = ("for step in range(2 if rank == 0 else 1):\n"
+            "    ddp(torch.randn(4, 2)).sum().backward()\n"
+            "dist.barrier()")
+    res, took = timed(k, code, timeout=HANG_GRACE * 4 + 60)
+    print(f"DDP uneven inputs against a barrier: reported after {took:.2f} s (--hang-grace {HANG_GRACE})")
+    err = error_of(res)
+    text = err["evalue"] + "\n".join(err["traceback"])
+    assert err["ename"] == "CollectiveHangError", err
+    assert "rank 0 in DistributedDataParallel.forward" in err["evalue"], err["evalue"]
+    assert "a collective that torch started in C++" in err["evalue"], err["evalue"]
+    assert "rank 1 in barrier(" in err["evalue"], err["evalue"]
+    assert "re-formed" in text, text
+    all_reduce_gives_two_and_variables_survived(k)

@@ -20,9 +20,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dist_kernel.exceptions import RankDiedError
+from dist_kernel.exceptions import ConfigError, RankDiedError, RankRequestError
 from dist_kernel.options import KernelConfig
-from dist_kernel.protocol import META_GROUP_BROKEN, META_IOPUB, Place, with_meta
+from dist_kernel.protocol import META_GROUP_BROKEN, META_IOPUB, Place, Synced, with_meta
 
 
 @dataclass
@@ -69,6 +69,7 @@ class FakeRanks:
         self._listeners: dict[str, Callable[[dict], None]] = {}
         self._running: dict[int, tuple[str, asyncio.Future, Act]] = {}  # rank -> its unfinished cell
         self._started = asyncio.Event()  # a rank started a cell
+        self._sync: tuple[list[str], int] = ([], 0)  # the names and source of the last %dist_sync
 
     # ---------------------------------------------------------- the seam
     async def start(self) -> None:
@@ -148,6 +149,23 @@ class FakeRanks:
 
     async def form_group(self) -> None:
         self.formations += 1
+
+    def sync(self, names, src):
+        """``%dist_sync``: each rank does what the script says of the code ``%dist_sync NAMES``
+        (blocked in a collective until a teardown, running until interrupted, or ending); a rank
+        that ends answers a ``Synced`` (each name copied), or its error as a failed request."""
+        if self._dead:
+            raise ConfigError(f"rank {min(self._dead)} is dead: run %dist_respawn first, then %dist_sync.")
+        self._sync = (list(names), src)
+        futures = {}
+        for rank in range(self.config.world_size):
+            futures[rank] = asyncio.get_running_loop().create_future()
+            act = self.script(rank, "%dist_sync " + " ".join(names))
+            self._running[rank] = (f"sync_{rank}", futures[rank], act)
+            self._started.set()
+            if not (act.blocked_in or act.runs):
+                self._finish(rank, act.error)
+        return futures
 
     async def respawn(self, ranks=None, auto: bool = False) -> list[int]:
         """Dead ranks come back (fresh: the test tells apart by ``respawned``), the group forms."""
@@ -257,6 +275,16 @@ class FakeRanks:
 
     def _finish(self, rank: int, error: tuple[str, str] | None, broken: bool = False) -> None:
         msg_id, fut, act = self._running.pop(rank)
+        if msg_id.startswith("sync_"):  # a %dist_sync request, answered as a rank's typed reply
+            names, src = self._sync
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(RankRequestError(f"rank {rank}: sync failed: {error[0]}: {error[1]}", *error))
+            else:
+                fut.set_result(Synced(copied={n: "sent from rank 0" if rank == src else "tensor 2 float32"
+                                              for n in names}, failed={}))
+            return
         published = len(act.out)
         if error is not None:
             ename, evalue = error

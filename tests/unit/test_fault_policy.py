@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from dist_kernel.parent.fault_policy import Cell, Judge, after_cell, look_due, out_of_step
-from dist_kernel.protocol import Place
+from dist_kernel.protocol import Operand, Place
 
 WORLD = (0, 1)
 
@@ -259,6 +259,102 @@ def test_a_rank_still_computing_keeps_a_mismatch_from_being_called_a_deadlock():
     seen = {0: blocked("all_reduce"), 1: COMPUTING}
     for t in (5.0, 10.0, 60.0):
         assert j.judge(cell(), seen, now=t).action == "wait"
+
+
+def holding(collective: str, *shapes: tuple[list[int], str], seq: int = 3, group=(0, 1)) -> Place:
+    """A rank blocked in ``collective`` holding tensors of these (shape, dtype)."""
+    return replace(blocked(collective, group=group, seq=seq),
+                   operands=[Operand(name=f"t{i}", dtype=dtype, shape=shape) for i, (shape, dtype) in enumerate(shapes)])
+
+
+def confirmed(seen: dict, c: Cell | None = None):
+    """The verdict once the ranks held still for half the grace (two looks, 5 s apart)."""
+    j = Judge()
+    j.judge(c or cell(), seen, now=5.0)
+    return j.judge(c or cell(), seen, now=10.0)
+
+
+def test_one_all_reduce_with_a_different_shape_on_each_rank_is_a_deadlock_named_by_its_tensors():
+    seen = {0: holding("all_reduce", ([1], "float32")), 1: holding("all_reduce", ([2], "float32"))}
+    v = confirmed(seen)
+    assert v.action == "teardown" and v.teardown_on == (0, 1) and v.ename == "CollectiveHangError"
+    assert "(rank 0 all_reduce of [1] float32, rank 1 of [2] float32: all_reduce needs the same shape and dtype " \
+           "on every rank)" in v.stuck[0]
+
+
+def test_ranks_with_the_same_tensors_are_grouped_and_a_dtype_alone_differs_too():
+    four = (0, 1, 2, 3)
+    seen = {r: holding("broadcast", ([4, 4], "float32" if r % 2 == 0 else "float64"), group=four) for r in four}
+    v = confirmed(seen, cell(ranks=four, world=four, busy=four))
+    assert v.action == "teardown"
+    assert "rank 0,2 broadcast of [4, 4] float32, rank 1,3 of [4, 4] float64" in v.stuck[3]
+
+
+def test_one_collective_with_the_same_tensors_everywhere_is_never_cut_short():
+    j = Judge()
+    seen = {r: holding("all_gather_into_tensor", ([8], "float32"), ([4], "float32")) for r in WORLD}
+    for t in (5.0, 10.0, 500.0):
+        assert j.judge(cell(), seen, now=t).action == "wait"
+
+
+def test_tensors_that_may_differ_between_ranks_or_are_not_told_are_no_deadlock():
+    # all_gather's list and all_to_all's splits differ by design; a rank that does not report its
+    # tensors (None known) says nothing either way
+    assert confirmed({0: holding("all_gather", ([1], "float32")), 1: holding("all_gather", ([2], "float32"))}
+                     ).action == "wait"
+    assert confirmed({0: holding("all_reduce", ([1], "float32")), 1: blocked("all_reduce", seq=3)}).action == "wait"
+
+
+def in_cpp(group_seq: int | None = 5, native: str = "DistributedDataParallel.forward / _pre_forward / "
+           "_rebuild_buckets", seq: int | None = None, group=(0, 1), **kw) -> Place:
+    """A rank in a collective torch started in C++ (``native``, or ``in_backward`` when native is "")."""
+    return place(collective=None, group_ranks=group if native else (), seq=group_seq if seq is None else seq,
+                 native=native, group_seq=group_seq, **kw)
+
+
+def test_a_collective_started_in_cpp_against_a_barrier_called_from_python_is_a_deadlock_naming_both():
+    v = confirmed({0: in_cpp(group_seq=5), 1: blocked("barrier", seq=5)})
+    assert v.action == "teardown" and v.teardown_on == (0, 1)
+    assert ("rank 0 in DistributedDataParallel.forward / _pre_forward / _rebuild_buckets, a collective that torch "
+            "started in C++ (#5); rank 1 in barrier(#5)") in v.stuck[1]
+
+
+def test_a_rank_in_backward_past_a_collective_another_rank_waits_in_from_python_is_a_deadlock():
+    v = confirmed({0: in_cpp(group_seq=7, native="", in_backward=True), 1: blocked("all_reduce", seq=5)})
+    assert v.action == "teardown"
+    assert "rank 0 in backward(), DDP's gradient all_reduce, started in C++ (#7); rank 1 in all_reduce(#5)" \
+        in v.stuck[0]
+
+
+def test_a_cpp_rank_that_has_not_yet_started_the_collective_the_other_waits_in_may_still_be_computing():
+    # rank 0 in backward() under no_sync() (no collective yet), rank 1 already in the next all_reduce
+    j = Judge()
+    seen = {0: in_cpp(group_seq=4, native="", in_backward=True), 1: blocked("all_reduce", seq=5)}
+    for t in (5.0, 10.0, 500.0):
+        assert j.judge(cell(), seen, now=t).action == "wait"
+
+
+def test_a_cpp_collective_on_another_group_or_of_an_unknown_count_is_not_compared():
+    three = (0, 1, 2)
+    c = cell(ranks=three, world=three, busy=three)
+    sub = {0: in_cpp(group_seq=9, seq=9, group=(0, 1)), 1: blocked("barrier", group=three, seq=5),
+           2: blocked("barrier", group=three, seq=5)}
+    assert confirmed(sub, c).action == "wait"
+    assert confirmed({0: in_cpp(group_seq=None), 1: blocked("barrier", seq=5)}).action == "wait"
+
+
+def test_every_rank_in_a_collective_started_in_cpp_is_left_to_complete():
+    j = Judge()
+    seen = {r: in_cpp(group_seq=3) for r in WORLD}
+    for t in (5.0, 10.0, 500.0):
+        assert j.judge(cell(), seen, now=t).action == "wait"
+
+
+def test_a_rank_that_answered_a_sync_is_named_as_such_when_another_waits_for_it():
+    c = replace(cell(busy=(1,), first_finished=1.0), idle_means="it had finished its part of %dist_sync")
+    v = Judge().judge(c, {1: blocked("broadcast")}, now=12.0)
+    assert v.action == "teardown"
+    assert v.stuck[1].endswith("which rank 0 never entered (it had finished its part of %dist_sync)")
 
 
 # -------------------------------------------------------------- rule 4: interrupt

@@ -292,6 +292,28 @@ def test_a_rank_waiting_in_a_collective_for_a_finished_rank_is_freed_and_the_gro
     run(test)(lambda rank, code: Act(blocked_in="barrier") if rank == 1 and "barrier" in code else Act())
 
 
+def test_the_group_is_formed_again_only_once_the_teardown_that_freed_its_ranks_has_ended():
+    async def test(fe, ranks):
+        order: list[str] = []
+        tear, form = ranks.teardown, ranks.form_group
+
+        async def slow_teardown(on):
+            failed = await tear(on)  # the blocked rank is freed at once: its reply comes...
+            await asyncio.sleep(0.3)  # ...while another rank's own teardown is still on its way
+            order.append("torn down")
+            return failed
+
+        async def form_group():
+            order.append("formed")
+            await form()
+
+        ranks.teardown, ranks.form_group = slow_teardown, form_group
+        cell = await fe.execute("if rank == 1: dist.barrier()")
+        assert cell.status == "error" and order == ["torn down", "formed"]
+
+    run(test)(lambda rank, code: Act(blocked_in="barrier") if rank == 1 and "barrier" in code else Act())
+
+
 def test_a_cell_whose_error_broke_the_group_re_forms_it():
     async def test(fe, ranks):
         cell = await fe.execute("dist.all_reduce(t)")
@@ -409,3 +431,72 @@ def test_completion_is_answered_by_the_first_rank_a_selection_names():
         assert fe.collect(msg).reply["content"]["matches"] == ["from_rank_1"]
 
     run(test)()
+
+
+# ------------------------------------------------------------------ %dist_sync, watched as a cell
+def sync_script(**acts):
+    """Each rank's Act for ``%dist_sync`` (``r0=Act(...)``), a plain one for any other code."""
+    return lambda rank, code: acts.get(f"r{rank}", Act()) if code.startswith("%dist_sync") else Act()
+
+
+def test_a_sync_copies_and_says_what_each_rank_got():
+    async def test(fe, ranks):
+        cell = await fe.execute("%dist_sync t")
+        assert cell.status == "ok" and cell.stream() == "%dist_sync from rank 0: t to rank 1: tensor 2 float32\n"
+
+    run(test)(sync_script())
+
+
+def test_a_sync_whose_rank_waits_for_one_that_failed_is_freed_and_the_group_re_formed():
+    async def test(fe, ranks):
+        cell = await fe.execute("%dist_sync t")
+        text = cell.errors[0]["evalue"] + "".join(cell.errors[0]["traceback"])
+        assert cell.status == "error" and cell.errors[0]["evalue"].startswith("%dist_sync t from rank 0: nothing was "
+                                                                              "copied where it failed;")
+        assert "rank 0: ValueError: boom" in text
+        assert "rank 1 was blocked in torch.distributed.broadcast(), which rank 0 never entered (it had finished its " \
+               "part of %dist_sync)" in text
+        assert ranks.torn_down == [0, 1] and ranks.formations == 1 and "re-formed" in text
+        assert (await fe.execute("x = 1")).status == "ok"
+        assert fe.kernel._current is None
+
+    run(test)(sync_script(r0=Act(error=("ValueError", "boom")), r1=Act(blocked_in="broadcast")))
+
+
+def test_the_stop_button_frees_a_sync_whose_source_does_not_return():
+    async def test(fe, ranks):
+        msg, task = await running(fe, ranks, "%dist_sync m")
+        await fe.send_control(fe.request("interrupt_request", {}))
+        await task
+        cell = fe.collect(msg)
+        text = "".join(cell.errors[0]["traceback"])
+        assert cell.status == "error" and cell.reply["content"]["ename"] == "KeyboardInterrupt"
+        assert "rank 1 was interrupted while blocked in torch.distributed.broadcast()" in text
+        assert sorted(ranks.signalled) == [0, 1] and ranks.torn_down == [0, 1] and ranks.formations == 1
+        assert (await fe.execute("x = 1")).status == "ok"
+
+    run(test)(sync_script(r0=Act(runs=True), r1=Act(blocked_in="broadcast")))
+
+
+def test_a_rank_that_dies_in_a_sync_ends_it_naming_the_rank_and_how_to_bring_it_back():
+    async def test(fe, ranks):
+        msg, task = await running(fe, ranks, "%dist_sync m")
+        ranks.die(1)
+        await task
+        cell = fe.collect(msg)
+        text = cell.errors[0]["evalue"] + "".join(cell.errors[0]["traceback"])
+        assert cell.reply["content"]["ename"] == "RankDiedError" and "rank 1 (pid 1001) exited with code -9" in text
+        assert "%dist_respawn" in text and ranks.torn_down == [0]
+
+    run(test)(sync_script(r0=Act(blocked_in="broadcast"), r1=Act(blocked_in="broadcast")))
+
+
+def test_a_sync_while_a_rank_still_runs_a_cell_given_up_on_is_refused_naming_it():
+    async def test(fe, ranks):
+        fe.kernel.group.left_running.add(1)
+        cell = await fe.execute("%dist_sync t")
+        assert cell.status == "error" and cell.reply["content"]["ename"] == "UsageError"
+        assert "rank 1 is still running a cell the kernel gave up on" in cell.errors[0]["evalue"]
+        assert ranks._sync == ([], 0)  # no rank was asked
+
+    run(test)(sync_script())

@@ -41,3 +41,38 @@ def test_a_call_into_cpp_from_torchs_distributed_code_is_named_from_the_outside_
 
 def test_code_outside_torchs_distributed_code_is_no_such_call():
     assert agent._native_call(sys._getframe()) == ("", None)
+
+
+class Between:
+    """A frame as CPython shows one while it runs an instruction that has no line: ``f_lineno``
+    is None (seen once in a look, which then failed with a TypeError, issue 36)."""
+
+    f_lineno = None
+    f_lasti = -1
+
+    def __init__(self, frame: FrameType) -> None:
+        self._frame = frame
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._frame, name)
+
+
+def test_a_frame_without_a_line_number_is_named_without_its_callee_and_the_look_goes_on():
+    name, group = agent._native_call(Between(frames_inside_ddp()))  # type: ignore[arg-type]
+    assert name == "DistributedDataParallel(...) / _verify_param_shape_across_processes"
+    assert group is None
+
+
+def test_the_callee_is_the_call_the_frame_is_at_not_the_first_on_its_line():
+    ns: dict = {}
+    load(DDP, "class DistributedDataParallel:\n"
+              "    def forward(self):\n"
+              "        if torch.is_grad_enabled() and self.reducer._rebuild_buckets():\n"
+              "            pass\n", ns)
+    ns["torch"] = type("torch", (), {"is_grad_enabled": staticmethod(lambda: True)})
+    ddp = ns["DistributedDataParallel"]()
+    seen: list = []  # what a look from another thread reads while forward() waits in the call
+    ddp.reducer = type("reducer", (), {"_rebuild_buckets": staticmethod(
+        lambda: seen.append(agent._native_call(sys._getframe(1))))})
+    ddp.forward()
+    assert seen[0] == ("forward(...) / _rebuild_buckets", None)
