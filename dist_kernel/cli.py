@@ -1,4 +1,4 @@
-"""Command line: ``python -m dist_kernel {kernel,install,run,clean}``.
+"""Command line: ``python -m dist_kernel {kernel,install,run,clean,lab}``.
 
 - ``kernel -f FILE [options]``: the parent kernel (what kernel.json runs);
 - ``install [--user|--sys-prefix|--prefix P] [--name N] [--display-name T] [options]``:
@@ -6,7 +6,9 @@
 - ``run NOTEBOOK [--output OUT] [options]``: execute a notebook distributed, exit 1 naming
   the cell and rank when a cell fails; each cell's output is shown as it arrives;
 - ``clean``: end the processes left by kernels of this user that have exited, and remove
-  their runtime directories (live kernels are never touched).
+  their runtime directories (live kernels are never touched);
+- ``lab [jupyter lab options]``: JupyterLab whose running cells keep their output while no page
+  is open (:mod:`dist_kernel.lab.launch`; needs ``pip install "dist-kernel[lab]"``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
                    description="End the processes of this user's exited kernels (ranks, what they "
                    "started, even after os.setsid) and remove their runtime directories. "
                    "Live kernels and other users' processes are never touched.")
+
+    sub.add_parser("lab", help="JupyterLab whose running cells keep their output while no page is open",
+                   description="Start JupyterLab with server-side execution: a cell's output is written into "
+                   "the server's copy of the notebook and saved, while a page is open or not. Every option is "
+                   "passed to jupyter lab. Needs: pip install \"dist-kernel[lab]\"", add_help=False)
     return p
 
 
@@ -117,9 +124,18 @@ def cmd_clean(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lab(argv: list[str]) -> int:
+    from dist_kernel.lab.launch import run
+
+    return run(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["lab"]:  # every word after it is jupyter lab's, as given (its --help too)
+        return cmd_lab(args[1:])
     parser = _parser()
-    ns, extra = parser.parse_known_args(argv)
+    ns, extra = parser.parse_known_args(args)
     if extra and ns.command != "kernel":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     ns.extra_argv = extra

@@ -32,7 +32,8 @@ SECONDS = {
     "test_wedges.py": 450, "test_faults.py": 320, "test_ecosystem_torch.py": 260, "test_benchmarks_smoke.py": 170,
     "test_ecosystem_hf.py": 225, "test_gpu_proof.py": 220, "test_output_fidelity.py": 190, "test_notebooks.py": 130,
     "test_kernel.py": 120, "test_fastai.py": 110, "test_respawn.py": 85, "test_hangs.py": 105, "test_cleanup.py": 70,
-    "test_jupyterlab.py": 55, "test_progress_bars.py": 50, "test_conformance.py": 45, "test_channel.py": 35,
+    "test_lab_closed_page.py": 300, "test_jupyterlab.py": 90, "test_progress_bars.py": 50, "test_conformance.py": 45,
+    "test_channel.py": 35,
     "test_debugger.py": 35, "test_shared_display_ids.py": 35, "test_notices_and_small.py": 25, "test_frontend.py": 25,
     "test_open_file_limits.py": 25, "test_options_at_work.py": 25, "test_sync_copies.py": 60,
 }

@@ -74,11 +74,19 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-class Lab:
-    """A JupyterLab server in its own session, with a private JUPYTER_PATH, config and runtime dir."""
+#: how the module's server is started: plain JupyterLab, as a user who never heard of dist_kernel lab
+JUPYTER_LAB = (sys.executable, "-m", "jupyterlab")
 
-    def __init__(self, tmp: Path) -> None:
+
+class Lab:
+    """A JupyterLab server in its own session, with a private JUPYTER_PATH, config and runtime dir,
+    started by ``command`` (plain ``jupyter lab``, or ``python -m dist_kernel lab``) with ``options``
+    after the test's own."""
+
+    def __init__(self, tmp: Path, command: tuple[str, ...] = JUPYTER_LAB, options: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
+        self.command = command
+        self.options = options
         prefix = tmp / "prefix"
         out = subprocess.run([sys.executable, "-m", "dist_kernel", "install", "--prefix", str(prefix), "--ranks", "2"],
                              capture_output=True, text=True, timeout=60, cwd=REPO)
@@ -112,11 +120,11 @@ class Lab:
         for _attempt in range(3):  # a free port can be taken between picking and binding
             self.port = _free_port()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+                [*self.command, "--no-browser", "--allow-root",
                  "--ip=127.0.0.1", f"--port={self.port}", "--ServerApp.port_retries=0",
                  "--ServerApp.token=", "--ServerApp.password=", "--ServerApp.disable_check_xsrf=True",
                  f"--ServerApp.root_dir={self.tmp / 'root'}", "--LabApp.news_url=None",
-                 "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+                 "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", *self.options],
                 env=self.env, cwd=self.tmp / "root", stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT,
                 start_new_session=True)
             url = f"http://127.0.0.1:{self.port}"
@@ -183,8 +191,8 @@ class Lab:
 
 
 @contextlib.contextmanager
-def running_lab(tmp: Path):
-    server = Lab(tmp)
+def running_lab(tmp: Path, command: tuple[str, ...] = JUPYTER_LAB, options: tuple[str, ...] = ()):
+    server = Lab(tmp, command, options)
     ok = False
     try:
         yield server, server.start()
@@ -275,8 +283,8 @@ def _wait_kernel_idle(page, timeout: float) -> None:
 @contextlib.contextmanager
 def _browser_page(server: Lab, shots: Path, viewport: dict[str, int]):
     """A page in headless Chromium. On failure its screenshot, HTML, console log and the server's log
-    land in ``shots``; afterwards the Playwright driver and Chromium must be gone (the server and its
-    kernels are not this function's)."""
+    land in ``shots``; afterwards the Playwright driver and Chromium must be gone (the servers and
+    their kernels are not this function's)."""
     from playwright.sync_api import sync_playwright
 
     shots.mkdir(parents=True, exist_ok=True)
@@ -306,7 +314,8 @@ def _browser_page(server: Lab, shots: Path, viewport: dict[str, int]):
                 shutil.copyfile(server.log_path, shots / "jupyterlab.log")
                 browser.close()
     finally:
-        skip = before | {p.pid for p in _tree(server.proc.pid)}
+        # what the servers started before the page (a second server's kernels too) is not the page's
+        skip = before | {p.pid for pid in before | {server.proc.pid} for p in _tree(pid)}
         mine = [p for p in psutil.Process().children(recursive=True) if p.pid not in skip]
         _gone, alive = psutil.wait_procs(mine, timeout=10)
         for p in alive:
@@ -430,6 +439,8 @@ def _kernel_message(payload: str | bytes) -> dict | None:
         if isinstance(payload, str):
             return json.loads(payload)
         count = int.from_bytes(payload[:8], "little")
+        if not 6 <= count <= 64 or len(payload) < 8 * (count + 1):
+            return None  # not a kernel message (a collaboration document's frames are binary too)
         offsets = [int.from_bytes(payload[8 + 8 * i:16 + 8 * i], "little") for i in range(count)]
         parts = [payload[offsets[i]:offsets[i + 1]] for i in range(min(count - 1, 5))]
         return {"channel": parts[0].decode(), "header": json.loads(parts[1]), "parent_header": json.loads(parts[2]),
@@ -446,8 +457,12 @@ class DebugTraffic:
         self.t0 = time.monotonic()
         self.lines: list[str] = []
         self.pending: set[str] = set()
-        page.on("websocket", lambda ws: (ws.on("framesent", lambda p: self._keep(">>", p)),
-                                         ws.on("framereceived", lambda p: self._keep("<<", p))))
+        page.on("websocket", self._listen)
+
+    def _listen(self, ws) -> None:
+        if "/api/kernels/" in ws.url:  # the kernel's channels, not a collaboration document's
+            ws.on("framesent", lambda p: self._keep(">>", p))
+            ws.on("framereceived", lambda p: self._keep("<<", p))
 
     def _keep(self, direction: str, payload: str | bytes) -> None:
         msg = _kernel_message(payload)

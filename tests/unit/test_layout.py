@@ -65,6 +65,18 @@ def test_the_ranks_never_import_the_parent():
     assert crossing == set()
 
 
+def test_no_kernel_process_imports_the_jupyterlab_server_pieces():
+    """``dist_kernel.lab`` runs in the Jupyter server (issue 35): the parent, the ranks and the node
+    agent stay light and never import it; only the command line does, when asked to start JupyterLab."""
+    graph = _imports()
+    kernel_side = ("dist_kernel.parent", "dist_kernel.rank", "dist_kernel.node")
+    crossing = {(m, d) for m, deps in graph.items() if m.startswith(kernel_side)
+                for d in deps if d.startswith("dist_kernel.lab")}
+    assert crossing == set()
+    importers = {m for m, deps in graph.items() if any(d.startswith("dist_kernel.lab") for d in deps)}
+    assert {m for m in importers if not m.startswith("dist_kernel.lab")} == {"dist_kernel.cli"}
+
+
 def test_the_node_agent_never_imports_the_parent():
     """The node agent starts processes and moves bytes: the parent's kernel (and jupyter_client's
     manager with it) stays out of it; what both sides need is in dist_kernel.processes."""
