@@ -54,6 +54,10 @@ META_CELL = "cell"
 #: rank runs differs (a ``%%rank`` line made a comment): the rank names the cell's file after it,
 #: the file JupyterLab's debugger dumped the cell to and set its breakpoints in
 META_SOURCE = "source"
+#: execute_request, parent -> rank: the cell's execution count, the parent's (the frontend's
+#: ``[n]``): a rank that a ``%%rank`` cell left out numbers the next cell as the others do, so
+#: tracebacks (``Cell In[n]``), ``Out[n]`` and ``_i<n>`` agree with the prompt on every rank
+META_COUNT = "count"
 #: execute_reply, rank -> parent: how many IOPub messages the cell published before its reply
 META_IOPUB = "iopub"
 #: execute_reply, rank -> parent: the cell's error broke the process group (true)

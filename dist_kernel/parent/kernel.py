@@ -47,7 +47,7 @@ from dist_kernel.parent.supervisor import RankSupervisor
 from dist_kernel.parent.sync_run import SyncRun
 from dist_kernel.parent.throttle import OutputBudget
 from dist_kernel.parent.top import TopMonitor
-from dist_kernel.protocol import META_CELL, META_RANKS, META_SOURCE, with_meta
+from dist_kernel.protocol import META_CELL, META_COUNT, META_RANKS, META_SOURCE, with_meta
 
 Run = TypeVar("Run", bound=CellRun)
 AT_BREAKPOINT = ("rank {rank} is stopped at a breakpoint (debugger): the other ranks run on until they wait for it "
@@ -231,7 +231,7 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
         # and the frontend's msg_id: comms the ranks open for it are named after it (widgets as one)
         meta = with_meta({"cellId": cell_id} if cell_id else {},
                          {**({} if plan.ranks == run.world else {META_RANKS: list(plan.ranks)}),
-                          META_CELL: parent["header"]["msg_id"],
+                          META_CELL: parent["header"]["msg_id"], META_COUNT: self.execution_count,
                           # the debugger's file of the cell is named after the source the frontend sent
                           **({META_SOURCE: code} if plan.code != code else {})})
         # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)

@@ -193,6 +193,11 @@ class RankKernel(IPythonKernel):
         with self._count_lock:
             self._counting = _msg_id(parent)
             self._published = 0
+        count = protocol.meta_of(parent.get("metadata")).get(protocol.META_COUNT)
+        if isinstance(count, int) and count > 0 and (parent.get("content") or {}).get("store_history", True):
+            # the parent's count, not this rank's own: a %%rank cell that left it out would put
+            # it a cell behind the prompt (`Cell In[1]` in the traceback of cell [2])
+            self.shell.execution_count = count  # type: ignore[union-attr]  # IPythonKernel made it
         return super().init_metadata(parent)
 
     def start(self) -> None:

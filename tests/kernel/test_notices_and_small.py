@@ -172,3 +172,17 @@ def test_an_explicit_nccl_on_one_gpu_keeps_its_error():
         assert "--ranks 2 with nccl needs 2 GPUs but only 1 are selected" in err["evalue"]
     finally:
         k.shutdown()
+
+
+def test_every_rank_numbers_a_cell_as_the_prompt_does_after_a_rank_cell(k2):
+    """A ``%%rank 0`` cell leaves rank 1 out; the next cell's traceback still says the prompt's
+    number on both ranks (one merged error, not two that differ by their ``Cell In[n]``)."""
+    k2.execute("%%rank 0\nx = 1")
+    res = k2.execute("1/0")
+    count = res.reply["execution_count"]
+    err = error_of(res)
+    text = "\n".join(err["traceback"])
+    assert err["ename"] == "ZeroDivisionError" and "[rank" not in err["evalue"], err
+    assert re.search(rf"Cell In\[{count}\]", re.sub(r"\x1b\[[0-9;]*m", "", text)), text
+    res = k2.execute("print(_i%d.strip())" % count)
+    assert res.stream() == "1/0\n", res.outputs
