@@ -184,5 +184,5 @@ def test_every_rank_numbers_a_cell_as_the_prompt_does_after_a_rank_cell(k2):
     text = "\n".join(err["traceback"])
     assert err["ename"] == "ZeroDivisionError" and "[rank" not in err["evalue"], err
     assert re.search(rf"Cell In\[{count}\]", re.sub(r"\x1b\[[0-9;]*m", "", text)), text
-    res = k2.execute("print(_i%d.strip())" % count)
+    res = k2.execute(f"print(_i{count}.strip())")
     assert res.stream() == "1/0\n", res.outputs

@@ -76,10 +76,12 @@ def test_a_rank_selection_runs_the_cell_on_those_ranks_only_and_tells_them_which
         cell = fe.collect(msg)
         assert cell.status == "ok" and cell.stream() == "one\n"
         sent = [(r, c["code"].strip(), m) for r, t, c, m in ranks.sent if t == "execute_request"]
-        # the frontend's msg_id travels too: comms the ranks open are named after it; and the
-        # source as sent, after which the rank names the cell's file (the debugger's name for it)
+        # the frontend's msg_id travels too: comms the ranks open are named after it; the
+        # source as sent, after which the rank names the cell's file (the debugger's name for it);
+        # and the prompt's number, which every rank gives the cell (rank 0 ran none before it)
         assert sent == [(1, "# rank 1\nprint('one')", {"dist_kernel": {
-            "ranks": [1], "cell": msg["header"]["msg_id"], "source": "%%rank 1\nprint('one')"}})]
+            "ranks": [1], "cell": msg["header"]["msg_id"], "source": "%%rank 1\nprint('one')",
+            "count": cell.reply["content"]["execution_count"]}})]
 
     run(test)(lambda rank, code: Act(out=[stdout("one\n")]))
 
