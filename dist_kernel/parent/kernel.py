@@ -21,26 +21,23 @@ from jupyter_client.session import Session
 from traitlets import Any as AnyTrait
 
 from dist_kernel import __version__
-from dist_kernel.exceptions import (
-    ConfigError,
-    RankSpecError,
-    error_content,
-)
+from dist_kernel.exceptions import ConfigError, RankSpecError, UsageError, error_content
 from dist_kernel.options import KernelConfig
+from dist_kernel.parent import magics
 from dist_kernel.parent.comms import COMM_TYPES, CommRouter
 from dist_kernel.parent.debugger import DebugSession, debugpy_available
 from dist_kernel.parent.execution import CellRun, CellSpec, GroupState
-from dist_kernel.parent.group_magics import IdleRespawn, run_group_magics
+from dist_kernel.parent.group_magics import IdleRespawn
 from dist_kernel.parent.held import HoldsBusy, pressed_before, sent_at
-from dist_kernel.parent.magics import plan_cell
+from dist_kernel.parent.magics import MagicContext
 from dist_kernel.parent.merge import DisplayRegistry
 from dist_kernel.parent.one_rank import OneRankRequests
 from dist_kernel.parent.output_log import OutputLogging
 from dist_kernel.parent.ranks import Ranks, SupervisedRanks
 from dist_kernel.parent.relay import Outlet, OutputRelay
 from dist_kernel.parent.replies import AbortsAfterError, always_reply
+from dist_kernel.parent.selection import plan_cell
 from dist_kernel.parent.startup import StartWait, dead_in, unusable
-from dist_kernel.parent.status import run_parent_magics
 from dist_kernel.parent.stdin import RankInput
 from dist_kernel.parent.supervisor import RankSupervisor
 from dist_kernel.parent.sync_run import SyncRun
@@ -141,7 +138,8 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
         self._output_budget = OutputBudget(spill_dir=ranks.runtime_dir)
 
     async def _ready_error(self, code: str = "") -> dict | None:
-        """Wait for the ranks (and a rank started anew, unless ``code`` need not); the error to show, if any."""
+        """Wait for the ranks (and a rank started anew, unless ``code`` need not: :func:`magics.waits`);
+        the error to show, if any."""
         cfg = self.dist_config
         if isinstance(cfg, ConfigError):
             return error_content(ConfigError, str(cfg))
@@ -152,7 +150,7 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
             stopped = await self._starting.wait(ranks, self.get_parent("shell"))
             if stopped:
                 return stopped
-        if self._respawning.waited_for_by(code):  # --respawn on: a rank that died between cells comes back first
+        if self._respawning.pending and magics.waits(code):  # --respawn on: a rank that died between cells comes back first
             self._held.release()
             await self._respawning.settle(functools.partial(self._publish, self.get_parent("shell")))
         return unusable(ranks)
@@ -189,30 +187,23 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
             return self._fail(parent, err, silent)
         ranks = self.ranks
         assert ranks is not None
-        cfg = ranks.config
-        try:
-            plan = plan_cell(code, cfg.world_size)
-        except RankSpecError as e:
-            return self._fail(parent, error_content(RankSpecError, str(e)), silent)
-        say = lambda t, c: self._publish(parent, t, c)  # noqa: E731 - one line, many uses
-        if plan.magics:
-            self._held.release()
-            err = await self.debug.run_magics(ranks, plan.magics, say) or self.top.run_magics(plan.magics, say) \
-                or await run_parent_magics(ranks, plan.magics, say, functools.partial(setattr, self, "output_policy"),
-                                           self._respawning.starting, self.output_log.note) \
-                or await run_group_magics(ranks, plan.magics, say, getattr(self.dist_config, "world_size", 0),
-                                          functools.partial(self._copy, parent))
-            if err:
-                return self._fail(parent, err, silent)
-            if not plan.code.strip():
-                return {"status": "ok", "execution_count": self.execution_count, "user_expressions": {},
-                        "payload": []}
-
-        cfg = ranks.config  # %dist_ranks may have changed it
+        try:  # the kernel's magics first, in the cell's order; then the rest, on the ranks they leave
+            calls, rest = magics.read(code)
+            if calls:
+                self._held.release()  # a magic may take a while (%dist_ranks): the cell is busy meanwhile
+                err = await magics.run(self._magic_context(parent), calls)
+            plan = plan_cell(rest, ranks.config.world_size) if not err else None
+        except (UsageError, RankSpecError) as e:
+            err, plan = error_content(type(e), str(e)), None
+        if err:
+            return self._fail(parent, err, silent)
+        assert plan is not None  # planned unless the cell failed before
+        if calls and not plan.code.strip():
+            return {"status": "ok", "execution_count": self.execution_count, "user_expressions": {}, "payload": []}
         err = dead_in(ranks, plan.ranks)
         if err:
             return self._fail(parent, err, silent)
-        await self.group.reform_if_due(ranks, cfg.startup_timeout, first=self._held.release)
+        await self.group.reform_if_due(ranks, ranks.config.startup_timeout, first=self._held.release)
         await self.debug.follow(ranks)  # the debugged rank's process was replaced: its breakpoints are set there again
         run = self._run(CellRun, plan.ranks, parent)
         content = {"code": plan.code, "silent": silent, "store_history": store_history,
@@ -257,6 +248,14 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
         assert self.ranks is not None  # a run needs the ranks
         spec = CellSpec.of(self.ranks.config, on, self.execution_count, parent, self.output_policy == "rank0")
         return kind(spec, self._outlet(parent), self.ranks, self.group, debug_stopped=self.debug.stopped_ranks)
+
+    def _magic_context(self, parent: dict) -> MagicContext:
+        """What the magics of the frontend's request ``parent`` are given."""
+        assert self.ranks is not None  # magics run once the ranks are ready
+        launched = self.dist_config if isinstance(self.dist_config, KernelConfig) else self.ranks.config
+        return MagicContext(self.ranks, lambda t, c: self._publish(parent, t, c), launched, self.debug, self.top,
+                            functools.partial(setattr, self, "output_policy"), functools.partial(self._copy, parent),
+                            self._respawning.starting, self.output_log.note)
 
     async def _copy(self, parent: dict, names: list[str], src: int) -> str:
         """``%dist_sync`` as the current cell (:class:`SyncRun`): the stop button and deaths reach it."""
