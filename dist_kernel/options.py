@@ -21,6 +21,7 @@ import re
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from dist_kernel import capacity, devices, placement
 from dist_kernel.capacity import Machine
@@ -126,8 +127,13 @@ class Option:
     field: str = ""
     metavar: str = ""
     #: an on/off behaviour inside each rank: sent at the first formation (``Join.switches``),
-    #: switchable at run time (``set_option``); what it does there is in dist_kernel.rank.switches
+    #: switchable at run time (``set_option``, ``%dist_<name>``, on every rank at once); what it
+    #: does there is in dist_kernel.rank.switches
     rank_switch: bool = False
+    #: a rank switch that installs an integration at the first formation, only when on: it can be
+    #: switched off and on again, but not on in a kernel started with it off (a library the ranks
+    #: imported meanwhile would be left unpatched)
+    installed_at_start: bool = False
 
     @property
     def flag(self) -> str:
@@ -170,12 +176,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("merge_window_ms", milliseconds, "100", "ms to wait for identical output from other ranks "
            "(default {default})", _KERNEL, field="merge_window", metavar="MS"),
     Option("fastai", switch, "on", "fastai integration inside the ranks (default {default})", _SUPERVISOR,
-           metavar="on|off", rank_switch=True),
+           metavar="on|off", rank_switch=True, installed_at_start=True),
     Option("lightning", switch, "on", "Lightning integration inside the ranks (default {default})", _SUPERVISOR,
-           metavar="on|off", rank_switch=True),
+           metavar="on|off", rank_switch=True, installed_at_start=True),
     Option("hf", switch, "on", "Hugging Face integration inside the ranks: accelerate's notebook_launcher and "
            "print, Transformers' Trainer output (default {default})", _SUPERVISOR, metavar="on|off",
-           rank_switch=True),
+           rank_switch=True, installed_at_start=True),
     Option("seed", whole(0), None, "random seed shared by every rank (default: random)", _SUPERVISOR,
            metavar="N"),
     Option("hang_grace", positive, "10", "seconds a rank may wait in a collective the others never "
@@ -255,6 +261,11 @@ class KernelConfig:
     def rank_switches(self) -> dict[str, bool]:
         """Each rank switch (:data:`RANK_SWITCHES`) and whether it is on, for ``Join.switches``."""
         return {name: bool(getattr(self, OPTION[name].attribute)) for name in RANK_SWITCHES}
+
+    def with_switch(self, name: str, on: bool) -> KernelConfig:
+        """This configuration with the rank switch ``name`` on or off (its magic, at run time)."""
+        changed: dict[str, Any] = {OPTION[name].attribute: on}  # one of the bool fields
+        return dataclasses.replace(self, **changed)
 
     @property
     def uses_cuda(self) -> bool:

@@ -35,9 +35,9 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from dist_kernel.exceptions import UsageError, error_content
+from dist_kernel.exceptions import UsageError
 
 if TYPE_CHECKING:
     from dist_kernel.parent.ranks import Ranks
@@ -83,6 +83,30 @@ def parse_dist_debug(arg: str, world_size: int) -> int | str:
                          f"0-{world_size - 1}.")
     raise ValueError(f"%dist_debug {arg.strip()!r}: use `%dist_debug N` to debug rank N (0-{world_size - 1}), "
                      "`%dist_debug off`, or `%dist_debug` alone to see which rank is debugged.")
+
+
+class DebugCall(Protocol):
+    """What ``%dist_debug`` is given (:class:`~dist_kernel.parent.magics.MagicContext` is one)."""
+
+    @property
+    def ranks(self) -> Ranks: ...
+    @property
+    def debug(self) -> DebugSession: ...
+    def say(self, text: str) -> None: ...
+
+
+async def dist_debug(call: DebugCall, arg: str) -> None:
+    """``%dist_debug N|off``: debug rank N, or no rank; alone, say which rank is debugged."""
+    session, ranks = call.debug, call.ranks
+    try:
+        choice = parse_dist_debug(arg, ranks.config.world_size)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if choice in ("show", session.rank):
+        await session.follow(ranks)  # the rank's process was replaced: its session is set up again
+    else:
+        await session.choose(ranks, None if choice == "off" else int(choice))
+    call.say(session.describe())
 
 
 def error_response(request: dict, message: str) -> dict:
@@ -259,24 +283,6 @@ class DebugSession:
             self.on_stopped(rank)
 
     # ------------------------------------------------------------ control
-    async def run_magics(self, ranks: Ranks, magics: tuple[tuple[str, str], ...],
-                         publish: Callable[[str, dict], None]) -> dict | None:
-        """A cell's ``%dist_debug`` lines (the other parent magics are not this module's): the
-        error content of a bad one, or None."""
-        for name, arg in magics:
-            if name != "dist_debug":
-                continue
-            try:
-                choice = parse_dist_debug(arg, ranks.config.world_size)
-            except ValueError as e:
-                return error_content(UsageError, str(e))
-            if choice in ("show", self.rank):
-                await self.follow(ranks)  # the rank's process was replaced: its session is set up again
-            else:
-                await self.choose(ranks, None if choice == "off" else int(choice))
-            publish("stream", {"name": "stdout", "text": self.describe()})
-        return None
-
     async def choose(self, ranks: Ranks, rank: int | None) -> None:
         """``%dist_debug N`` / ``off``: move the session (if any) to rank N, or end it."""
         if rank == self.rank:

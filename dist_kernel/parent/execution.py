@@ -24,8 +24,8 @@ from dist_kernel import protocol
 from dist_kernel.exceptions import ErrorName, RankDiedError, RankStoppedError, error_content
 from dist_kernel.parent import fault_policy
 from dist_kernel.parent import membership_words as words
-from dist_kernel.parent.magics import format_ranks
 from dist_kernel.parent.relay import Outlet, OutputRelay
+from dist_kernel.parent.selection import format_ranks
 
 if TYPE_CHECKING:
     from dist_kernel.options import KernelConfig

@@ -83,7 +83,7 @@ from typing import Literal, TypeAlias
 
 from dist_kernel.exceptions import CollectiveHangError, RankDiedError
 from dist_kernel.parent import mismatch
-from dist_kernel.parent.magics import format_ranks
+from dist_kernel.parent.selection import format_ranks
 from dist_kernel.protocol import Pending, Place
 
 #: after a finished rank failed, or after an interrupt, how long others may stay busy

@@ -10,6 +10,10 @@ changed (``%dist_ranks``). A formation meets only when every rank of the world c
   waiting in the meeting for it: their waits are ended (the teardown request, which ends a wait
   in the rendezvous store) until each has answered, so none is left blocked on its main thread,
   where the next cell would queue behind it with no word of why.
+
+A rank started anew joins with the rank switches the kernel started with (it installs what the
+others installed then), and is then switched as the others are now (``%dist_fastai off`` since):
+the ranks never disagree.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
+from dist_kernel import protocol
 from dist_kernel.exceptions import RankStartError
 from dist_kernel.parent import membership_words as words
+from dist_kernel.parent.selection import format_ranks
 
 if TYPE_CHECKING:
     from dist_kernel.parent.supervisor import RankSupervisor
@@ -53,6 +59,20 @@ async def form_group(sup: RankSupervisor, fresh: Collection[int] = ()) -> None:
             await _release(sup, joins, set(fresh))
     if failure is not None:
         raise failure
+    await _switch_as_the_others(sup, sorted(fresh))
+
+
+async def _switch_as_the_others(sup: RankSupervisor, fresh: list[int]) -> None:
+    """Flip on the ranks started anew each rank switch a magic flipped since the kernel started."""
+    flipped = {name: on for name, on in sup.config.rank_switches().items() if on != sup.switches_at_start[name]}
+    if not fresh:
+        return
+    for name, on in flipped.items():
+        replies = await asyncio.gather(*(sup.ask(r, protocol.SetOption(name=name, on=on)) for r in fresh))
+        missing = [r for r, reply in zip(fresh, replies, strict=True) if reply is None]
+        if missing:  # the caller ends the ranks it started: none is left disagreeing
+            raise RankStartError(f"rank {format_ranks(missing)} did not switch {name} {'on' if on else 'off'} as "
+                                 "the other ranks are")
 
 
 def _joined(task: asyncio.Task) -> bool:

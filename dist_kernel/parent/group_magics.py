@@ -8,31 +8,25 @@
   watched as a cell is (:mod:`dist_kernel.parent.sync_run`).
 
 The work is the supervisor's (:mod:`dist_kernel.parent.membership`) and the ranks'
-(:mod:`dist_kernel.rank.sync`); this module reads the arguments and says what happened.
+(:mod:`dist_kernel.rank.sync`); this module reads the arguments and says what happened. Each
+magic is a row of :data:`dist_kernel.parent.magics.MAGICS`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from dist_kernel.exceptions import (
-    ConfigError,
-    RankDiedError,
-    RankSpecError,
-    RankStartError,
-    UsageError,
-    error_content,
-)
+from dist_kernel.exceptions import UsageError
 from dist_kernel.parent import membership_words as words
-from dist_kernel.parent.magics import format_ranks, parse_rank_spec, split_parent_magics
+from dist_kernel.parent.selection import format_ranks, parse_rank_spec
 
 if TYPE_CHECKING:
+    from dist_kernel.options import KernelConfig
     from dist_kernel.parent.ranks import Ranks
     from dist_kernel.protocol import Synced
 
-NAMES = ("dist_respawn", "dist_ranks", "dist_sync")
 Publish = Callable[[str, dict], None]
 #: ``%dist_sync``'s copy, watched (the kernel's: :class:`~dist_kernel.parent.sync_run.SyncRun`):
 #: (names, source rank) -> what was copied, in words
@@ -53,51 +47,51 @@ class MagicFailed(Exception):
         self.error = error
 
 
-async def run_group_magics(ranks: Ranks, magics: tuple[tuple[str, str], ...], publish: Publish,
-                           started_with: int, copy: Copy) -> dict | None:
-    """Run this module's magics among a cell's parent magics, in order; the first error ends them.
-    ``started_with``: the rank count the kernel started with (its kernelspec's)."""
-    for name, arg in magics:
-        if name not in NAMES:
-            continue
-        try:
-            if name == "dist_respawn":
-                text = await _respawn(ranks, arg)
-            elif name == "dist_ranks":
-                text = await _ranks(ranks, arg, started_with)
-            else:
-                names, src = parse_sync(arg, ranks.config.world_size)
-                text = await copy(names, src)
-        except MagicFailed as e:
-            return e.error
-        except (ConfigError, RankSpecError, UsageError, RankDiedError, RankStartError) as e:
-            return error_content(type(e), str(e) or words.magic_failed(name, arg, e))
-        except Exception as e:  # noqa: BLE001 - a rank that failed to start or join: said, the kernel stays
-            return error_content(RankDiedError, words.magic_failed(name, arg, e))
-        publish("stream", {"name": "stdout", "text": text + "\n"})
-    return None
+class GroupCall(Protocol):
+    """What these magics are given (:class:`~dist_kernel.parent.magics.MagicContext` is one)."""
+
+    @property
+    def ranks(self) -> Ranks: ...
+    @property
+    def launched(self) -> KernelConfig:
+        """The kernel's options as it started (its kernelspec's rank count)."""
+    @property
+    def copy(self) -> Copy: ...
+    def say(self, text: str) -> None: ...
 
 
-async def _respawn(ranks: Ranks, arg: str) -> str:
+async def dist_respawn(call: GroupCall, arg: str) -> None:
+    """``%dist_respawn [SPEC]``: start the dead ranks (SPEC: those) anew; the group forms again."""
+    ranks = call.ranks
     wanted = list(parse_rank_spec(arg, ranks.config.world_size, magic="%dist_respawn")) if arg else None
-    dead = ranks.gone()
-    if wanted is None and not dead:
-        return words.nothing_dead()
+    if wanted is None and not ranks.gone():
+        call.say(words.nothing_dead())
+        return
     started = await ranks.respawn(wanted)
     pids = ", ".join(f"rank {r}: {ranks.describe(r)}" for r in started)
-    return f"{words.respawned(started)} ({pids})"
+    call.say(f"{words.respawned(started)} ({pids})")
 
 
-async def _ranks(ranks: Ranks, arg: str, started_with: int) -> str:
+async def dist_ranks(call: GroupCall, arg: str) -> None:
+    """``%dist_ranks [N]``: alone, the rank count and where it comes from; with N, grow or shrink to N."""
+    ranks = call.ranks
     n_now = ranks.config.world_size
     if not arg:
-        return words.count_now(n_now, started_with)
+        call.say(words.count_now(n_now, call.launched.world_size))
+        return
     if not arg.isdigit() or int(arg) < 1:
         raise UsageError(f"%dist_ranks {arg!r}: give a whole number of ranks, at least 1, e.g. %dist_ranks 4.")
     started, ended = await ranks.resize(int(arg))
     if not started and not ended:
-        return f"%dist_ranks: already {words.count(n_now)}; nothing changed."
-    return words.resized(ranks.config.world_size, started, ended)
+        call.say(f"%dist_ranks: already {words.count(n_now)}; nothing changed.")
+    else:
+        call.say(words.resized(ranks.config.world_size, started, ended))
+
+
+async def dist_sync(call: GroupCall, arg: str) -> None:
+    """``%dist_sync NAME [NAME ...] [--from R]``: copy variables from rank R to the others."""
+    names, src = parse_sync(arg, call.ranks.config.world_size)
+    call.say(await call.copy(names, src))
 
 
 def parse_sync(arg: str, world_size: int) -> tuple[list[str], int]:
@@ -157,14 +151,11 @@ def sync_report(names: list[str], src: int, replies: dict[int, Synced | str]) ->
     return f"%dist_sync from rank {src}: " + "; ".join(lines)
 
 
-#: the magics a cell may run while ``--respawn on`` starts a rank anew, without waiting for it
-WHILE_STARTING = ("dist_status",)
-
-
 class IdleRespawn:
     """``--respawn on`` for a rank that died between cells: it is started anew at once; the next
-    cell waits for that, and says what came of it. A cell of ``%dist_status`` alone does not
-    wait: it shows the rank being started (:attr:`starting`)."""
+    cell waits for that (:meth:`settle`), and says what came of it. A cell of ``%dist_status``
+    alone does not wait (:func:`dist_kernel.parent.magics.waits`): it shows the rank being
+    started (:attr:`starting`)."""
 
     def __init__(self) -> None:
         self._task: asyncio.Future | None = None
@@ -181,14 +172,6 @@ class IdleRespawn:
                 self.starting.add(rank)
             if self._task is None:
                 self._task = asyncio.ensure_future(self._respawn(ranks, rank, reason))
-
-    def waited_for_by(self, code: str) -> bool:
-        """Does this cell wait for the respawn under way? Every cell but one that only asks
-        :data:`WHILE_STARTING` magics (``%dist_status``, which then shows it in progress)."""
-        if not self.pending:
-            return False
-        magics, rest = split_parent_magics(code)
-        return not (magics and all(name in WHILE_STARTING for name, _ in magics) and not rest.strip())
 
     async def settle(self, publish: Publish) -> None:
         task, self._task = self._task, None

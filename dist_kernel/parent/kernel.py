@@ -13,7 +13,6 @@ import contextlib
 import functools
 import signal
 import sys
-import threading
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -22,27 +21,24 @@ from jupyter_client.session import Session
 from traitlets import Any as AnyTrait
 
 from dist_kernel import __version__
-from dist_kernel.exceptions import (
-    ConfigError,
-    RankSpecError,
-    error_content,
-)
+from dist_kernel.exceptions import ConfigError, RankSpecError, UsageError, error_content
 from dist_kernel.options import KernelConfig
+from dist_kernel.parent import magics
 from dist_kernel.parent.comms import COMM_TYPES, CommRouter
 from dist_kernel.parent.debugger import DebugSession, debugpy_available
 from dist_kernel.parent.execution import CellRun, CellSpec, GroupState
-from dist_kernel.parent.group_magics import IdleRespawn, run_group_magics
-from dist_kernel.parent.held import HeldBusy, pressed_before, sent_at
-from dist_kernel.parent.magics import plan_cell
+from dist_kernel.parent.group_magics import IdleRespawn
+from dist_kernel.parent.held import HoldsBusy, pressed_before, sent_at
+from dist_kernel.parent.magics import MagicContext
 from dist_kernel.parent.merge import DisplayRegistry
 from dist_kernel.parent.one_rank import OneRankRequests
 from dist_kernel.parent.output_log import OutputLogging
 from dist_kernel.parent.ranks import Ranks, SupervisedRanks
 from dist_kernel.parent.relay import Outlet, OutputRelay
 from dist_kernel.parent.replies import AbortsAfterError, always_reply
+from dist_kernel.parent.selection import plan_cell
 from dist_kernel.parent.startup import StartWait, dead_in, unusable
-from dist_kernel.parent.status import run_parent_magics
-from dist_kernel.parent.stdin import InputBroker
+from dist_kernel.parent.stdin import RankInput
 from dist_kernel.parent.supervisor import RankSupervisor
 from dist_kernel.parent.sync_run import SyncRun
 from dist_kernel.parent.throttle import OutputBudget
@@ -54,7 +50,7 @@ AT_BREAKPOINT = ("rank {rank} is stopped at a breakpoint (debugger): the other r
                  "in a collective. Continue in the debugger, or press stop to end the cell on every rank.")
 
 
-class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel):
+class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, OneRankRequests, Kernel):
     """Runs each cell on N ranks that form one torch.distributed process group."""
 
     implementation = "dist_kernel"
@@ -82,7 +78,6 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
         self.extra_argv: list[str] = []  # kernel arguments from the frontend, passed to every rank
         self._main_loop: asyncio.AbstractEventLoop | None = None
         self._current: CellRun | None = None
-        self._stdin: InputBroker | None = None
         self.ranks: Ranks | None = None  # the ranks' seam (SupervisedRanks over a RankSupervisor)
         self.comms = CommRouter(self._publish, self._callback_run)
         self.debug = DebugSession(self._publish, self._debug_stopped)  # JupyterLab's debugger, on one rank
@@ -94,12 +89,6 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
         self._warnings: list[str] = []  # the configuration's warnings, shown once, in the first cell
         self._exiting = False
         self._respawning = IdleRespawn()  # --respawn on: a rank that died between cells
-        # a cell's busy and execute_input, held back until its requests are on their way to the
-        # ranks (see _publish_status): the ranks start sooner, and nothing is published before them
-        base = super()
-        # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
-        self._held = HeldBusy(lambda request: base._publish_status("busy", "shell", request),  # type: ignore[attr-defined]
-                              base._publish_execute_input)  # type: ignore[attr-defined]
         # every request gets a reply, even when its handler raises (a plain handler would not)
         self.shell_handlers = {t: always_reply(self, t, h) for t, h in self.shell_handlers.items()}
         self.control_handlers = {t: always_reply(self, t, h) for t, h in self.control_handlers.items()}
@@ -149,7 +138,8 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
         self._output_budget = OutputBudget(spill_dir=ranks.runtime_dir)
 
     async def _ready_error(self, code: str = "") -> dict | None:
-        """Wait for the ranks (and a rank started anew, unless ``code`` need not); the error to show, if any."""
+        """Wait for the ranks (and a rank started anew, unless ``code`` need not: :func:`magics.waits`);
+        the error to show, if any."""
         cfg = self.dist_config
         if isinstance(cfg, ConfigError):
             return error_content(ConfigError, str(cfg))
@@ -160,7 +150,7 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
             stopped = await self._starting.wait(ranks, self.get_parent("shell"))
             if stopped:
                 return stopped
-        if self._respawning.waited_for_by(code):  # --respawn on: a rank that died between cells comes back first
+        if self._respawning.pending and magics.waits(code):  # --respawn on: a rank that died between cells comes back first
             self._held.release()
             await self._respawning.settle(functools.partial(self._publish, self.get_parent("shell")))
         return unusable(ranks)
@@ -197,30 +187,23 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
             return self._fail(parent, err, silent)
         ranks = self.ranks
         assert ranks is not None
-        cfg = ranks.config
-        try:
-            plan = plan_cell(code, cfg.world_size)
-        except RankSpecError as e:
-            return self._fail(parent, error_content(RankSpecError, str(e)), silent)
-        say = lambda t, c: self._publish(parent, t, c)  # noqa: E731 - one line, many uses
-        if plan.magics:
-            self._held.release()
-            err = await self.debug.run_magics(ranks, plan.magics, say) or self.top.run_magics(plan.magics, say) \
-                or await run_parent_magics(ranks, plan.magics, say, functools.partial(setattr, self, "output_policy"),
-                                           self._respawning.starting, self.output_log.note) \
-                or await run_group_magics(ranks, plan.magics, say, getattr(self.dist_config, "world_size", 0),
-                                          functools.partial(self._copy, parent))
-            if err:
-                return self._fail(parent, err, silent)
-            if not plan.code.strip():
-                return {"status": "ok", "execution_count": self.execution_count, "user_expressions": {},
-                        "payload": []}
-
-        cfg = ranks.config  # %dist_ranks may have changed it
+        try:  # the kernel's magics first, in the cell's order; then the rest, on the ranks they leave
+            calls, rest = magics.read(code)
+            if calls:
+                self._held.release()  # a magic may take a while (%dist_ranks): the cell is busy meanwhile
+                err = await magics.run(self._magic_context(parent), calls)
+            plan = plan_cell(rest, ranks.config.world_size) if not err else None
+        except (UsageError, RankSpecError) as e:
+            err, plan = error_content(type(e), str(e)), None
+        if err:
+            return self._fail(parent, err, silent)
+        assert plan is not None  # planned unless the cell failed before
+        if calls and not plan.code.strip():
+            return {"status": "ok", "execution_count": self.execution_count, "user_expressions": {}, "payload": []}
         err = dead_in(ranks, plan.ranks)
         if err:
             return self._fail(parent, err, silent)
-        await self.group.reform_if_due(ranks, cfg.startup_timeout, first=self._held.release)
+        await self.group.reform_if_due(ranks, ranks.config.startup_timeout, first=self._held.release)
         await self.debug.follow(ranks)  # the debugged rank's process was replaced: its breakpoints are set there again
         run = self._run(CellRun, plan.ranks, parent)
         content = {"code": plan.code, "silent": silent, "store_history": store_history,
@@ -234,10 +217,7 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
                           META_CELL: parent["header"]["msg_id"], META_COUNT: self.execution_count,
                           # the debugger's file of the cell is named after the source the frontend sent
                           **({META_SOURCE: code} if plan.code != code else {})})
-        # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
-        ident = self._get_shell_context_var(self._shell_parent_ident)
-        self._stdin = InputBroker(lambda prompt, pw: self._ask_frontend(prompt, pw, ident, parent),
-                                  ranks.reply_input) if allow_stdin else None
+        self._input_for(parent, allow_stdin)
         self._current = run
         for msg_id in run.start(content, meta):
             self.comms.sent(msg_id, parent["header"]["msg_id"])
@@ -268,6 +248,14 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
         assert self.ranks is not None  # a run needs the ranks
         spec = CellSpec.of(self.ranks.config, on, self.execution_count, parent, self.output_policy == "rank0")
         return kind(spec, self._outlet(parent), self.ranks, self.group, debug_stopped=self.debug.stopped_ranks)
+
+    def _magic_context(self, parent: dict) -> MagicContext:
+        """What the magics of the frontend's request ``parent`` are given."""
+        assert self.ranks is not None  # magics run once the ranks are ready
+        launched = self.dist_config if isinstance(self.dist_config, KernelConfig) else self.ranks.config
+        return MagicContext(self.ranks, lambda t, c: self._publish(parent, t, c), launched, self.debug, self.top,
+                            functools.partial(setattr, self, "output_policy"), functools.partial(self._copy, parent),
+                            self._respawning.starting, self.output_log.note)
 
     async def _copy(self, parent: dict, names: list[str], src: int) -> str:
         """``%dist_sync`` as the current cell (:class:`SyncRun`): the stop button and deaths reach it."""
@@ -321,23 +309,6 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
         """JupyterLab's debugger: answered by one rank's (parent/debugger.py), on the main loop."""
         return await self._on_main(self.debug.request(self.ranks, self.get_parent("control")))
 
-    # -------------------------------------------------------------- stdin
-    def on_rank_stdin(self, rank: int, msg: dict) -> None:
-        """A rank asks for ``input()``."""
-        broker = self._stdin
-        content = msg["content"]
-        if broker is None:  # not allowed: ipykernel would not have asked; answer empty
-            if self.ranks is not None:
-                self.ranks.reply_input(rank, "")
-            return
-        broker.on_request(rank, content.get("prompt", ""), bool(content.get("password")))
-
-    async def _ask_frontend(self, prompt: str, password: bool, ident: Any, parent: dict) -> str:
-        """One input_request to the frontend, answered off the event loop (the base call blocks)."""
-        loop = asyncio.get_running_loop()
-        # _input_request: private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
-        return await loop.run_in_executor(None, lambda: self._input_request(prompt, ident, parent, password))
-
     # -------------------------------------------------------------- comms
     async def comm_open(self, stream: Any, ident: Any, parent: dict) -> None:
         self.comms.forward(self.ranks, parent)
@@ -350,29 +321,6 @@ class DistributedKernel(OutputLogging, AbortsAfterError, OneRankRequests, Kernel
         self._session.send(stream, "comm_info_reply", reply, parent, ident=ident)
 
     # ---------------------------------------------------------- control
-    # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
-    def _publish_execute_input(self, code: str, parent: dict, execution_count: int) -> None:
-        if not self._held.hold_input(code, parent, execution_count):  # held: it follows the busy
-            super()._publish_execute_input(code, parent, execution_count)
-
-    # private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
-    def _publish_status(self, status: str, channel: str, parent: dict | None = None) -> None:
-        if channel == "shell" and parent is None and threading.current_thread() is threading.main_thread():
-            if status == "busy" and self.get_parent("shell").get("header", {}).get("msg_type") == "execute_request":
-                # held until the cell's requests are sent to the ranks (do_execute), or until
-                # anything else is published for it (_publish), whichever comes first
-                self._held.hold(self.get_parent("shell"))
-                return
-            self._held.release()
-        # jupyter_client's KernelManager and its client share a session id but count messages
-        # separately, so an interrupt_request can carry the very msg_id of the running cell:
-        # its busy/idle would read, to nbclient, as the cell's idle. Such a pair is not sent.
-        if channel == "control" and parent is None and self._current is not None:
-            control_id = self.get_parent("control").get("header", {}).get("msg_id")
-            if control_id == self._current.parent.get("header", {}).get("msg_id"):
-                return
-        super()._publish_status(status, channel, parent)
-
     def pre_handler_hook(self) -> None:
         """Keep the parent's SIGINT handler (interrupt the ranks) while handling requests."""
 

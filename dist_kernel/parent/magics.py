@@ -1,60 +1,120 @@
-"""Magics the parent understands before a cell reaches the ranks.
+"""The kernel's own line magics: one table (:data:`MAGICS`), and a cell's magics run in its order.
 
-``%%rank SPEC`` on a cell's first line selects the ranks that run the rest of the cell.
-SPEC is ``all``, a rank (``0``), a list (``0,2``), a range (``1-3``), a mix (``0,2-3``),
-optionally in brackets (``[0,1]``), and may end in a ``# comment``. Ranks are ASCII digits
-(``１``, a full-width digit, is refused: Python's ``int`` would take it, a reader would not).
-Below other cell magics (``%%time`` then ``%%rank 0``) it selects the ranks the same way: the
-ranks run the cell with the other magics, as if ``%%rank`` were first.
+A cell's first lines that name one of these (blank and comment lines between them allowed) are
+the parent's: :func:`run` runs them one after the other, in the cell's order, before the rest of
+the cell goes to the ranks, so ``%dist_ranks 3`` then ``%dist_status`` shows 3 ranks, and the
+rest (a ``%%rank`` line included) is read against the rank count they leave. The first that
+fails ends the cell, with its error.
 
-Line magics the parent answers itself, on a cell's leading lines:
+A magic is one row of :data:`MAGICS`: its name, its handler and one line of help. The handler
+lives with its domain (the debugger, ``%dist_top``, ``%dist_status``, the group magics, the
+options) and takes a :class:`MagicContext`, which carries the ranks, the cell's publish function
+and the kernel's parts a magic may change, and the magic's argument; it says what happened
+(:meth:`MagicContext.say`) or raises the error the user sees. Each rank switch of
+:mod:`dist_kernel.options` is a row made from the option (:mod:`dist_kernel.parent.option_magics`).
+The README's magics table lists the same names (a unit test holds them to each other).
 
-- ``%dist_status``: per rank its pid, host, device, busy/idle and memory;
-- ``%dist_output all|rank0``: rich output from every rank (merged) or from rank 0 only
-  (starts as the kernel's ``--rich-output``);
-- ``%dist_empty_cache on|off``: free the CUDA cache after each cell (starts as ``--empty-cache``).
-- ``%dist_debug N|off``: JupyterLab's debugger debugs rank N (rank 0 at start), or no rank;
-  alone, it says which (:mod:`dist_kernel.parent.debugger`).
-- ``%dist_top`` / ``%dist_top off``: a live table of each rank's state and load while cells run
-  (:mod:`dist_kernel.parent.top`).
-- ``%dist_respawn [SPEC]``, ``%dist_ranks [N]``, ``%dist_sync NAME [NAME ...] [--from R]``: start
-  dead ranks anew, change the rank count in place, copy variables from one rank to the others
-  (:mod:`dist_kernel.parent.group_magics`).
+These magics act for every rank, so a ``%%rank`` line cannot pick ranks for them: a cell whose
+``%%rank`` line is followed by one is refused before anything runs (a switch flipped on some
+ranks only would leave the ranks disagreeing; running it on every rank would not be what the
+cell says).
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from dist_kernel.exceptions import RankSpecError
+from dist_kernel.exceptions import DistKernelError, UsageError, error_content
+from dist_kernel.options import RANK_SWITCHES
+from dist_kernel.parent.debugger import DebugSession, dist_debug
+from dist_kernel.parent.group_magics import Copy, MagicFailed, dist_ranks, dist_respawn, dist_sync
+from dist_kernel.parent.membership_words import magic_failed
+from dist_kernel.parent.option_magics import dist_output, dist_switch, switch_help
+from dist_kernel.parent.selection import rank_line
+from dist_kernel.parent.status import dist_status
+from dist_kernel.parent.top import TopMonitor, dist_top
 
-_RANK_LINE = re.compile(r"^\s*%%rank(?:\s+(?P<spec>.*?))?\s*$")
-_PIECE = re.compile(r"^([0-9]+)(?:\s*-\s*([0-9]+))?$")  # not \d: it matches every script's digits
-_CELL_MAGIC = re.compile(r"^\s*%%\w")
+if TYPE_CHECKING:
+    from dist_kernel.options import KernelConfig
+    from dist_kernel.parent.ranks import Ranks
 
-
-PARENT_MAGICS = ("dist_status", "dist_output", "dist_empty_cache", "dist_debug", "dist_top", "dist_respawn",
-                 "dist_ranks", "dist_sync")
-_PARENT_LINE = re.compile(r"^\s*%(?P<name>" + "|".join(PARENT_MAGICS) + r")\b(?P<arg>.*)$")
+#: publish an IOPub message in the running cell: (msg_type, content)
+Publish = Callable[[str, dict], None]
+#: one magic call: its name (``dist_status``) and its argument
+Call = tuple[str, str]
 
 
 @dataclass(frozen=True)
-class CellPlan:
-    """What the parent does with one cell: which ranks run which code."""
+class MagicContext:
+    """What a magic's handler is given: the ranks, where the cell's output goes, and the parts of
+    the kernel a magic reads or changes."""
 
-    ranks: tuple[int, ...]
-    code: str
-    selected: bool  # True when the cell named its ranks with %%rank
-    magics: tuple[tuple[str, str], ...] = ()  # parent line magics, (name, argument)
+    ranks: Ranks
+    publish: Publish
+    #: the kernel's options as it started (its kernelspec's), before any magic changed them
+    launched: KernelConfig
+    debug: DebugSession
+    top: TopMonitor
+    #: takes ``%dist_output``'s policy
+    set_output: Callable[[str], None]
+    #: ``%dist_sync``'s copy, watched as a cell is
+    copy: Copy
+    #: the ranks ``--respawn on`` is starting anew now
+    starting: Collection[int] = ()
+    #: where the kernel's output log is (``%dist_status`` says)
+    output_log: str = ""
+
+    def say(self, text: str) -> None:
+        """A line of the magic's own on stdout."""
+        self.publish("stream", {"name": "stdout", "text": text if text.endswith("\n") else text + "\n"})
 
 
-def split_parent_magics(code: str) -> tuple[list[tuple[str, str]], str]:
-    """Take the parent's line magics off the top of a cell (lines stay, blanked)."""
+Handler = Callable[[MagicContext, str], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Magic:
+    """One of the kernel's line magics."""
+
+    name: str  # without the %: ``dist_status``
+    handler: Handler
+    help: str  # one line; the README's magics table says more
+    #: does a cell of only this magic wait for a rank that ``--respawn on`` is starting anew?
+    #: (``%dist_status`` does not: it shows that rank being started)
+    waits: bool = True
+
+
+#: every line magic of the kernel, by name, in the README's order
+MAGICS: dict[str, Magic] = {m.name: m for m in (
+    Magic("dist_status", dist_status, "per rank: pid, host, device, state, process group, load, memory "
+          "and cache freeing; where the output log is", waits=False),
+    Magic("dist_top", dist_top, "a live table of each rank's state and load while cells run; `off` stops it"),
+    Magic("dist_debug", dist_debug, "the rank JupyterLab's debugger debugs: `N`, or `off`; alone, which"),
+    Magic("dist_respawn", dist_respawn, "start dead ranks anew (every one, or those named) and form "
+          "the group again"),
+    Magic("dist_sync", dist_sync, "copy variables from one rank (`--from R`, 0) to every other rank"),
+    Magic("dist_ranks", dist_ranks, "the rank count; with N, grow or shrink the ranks on this "
+          "machine to N in place"),
+    Magic("dist_output", dist_output, "rich output from every rank, merged (`all`), or from rank 0 "
+          "only (`rank0`)"),
+    *(Magic(f"dist_{name}", functools.partial(dist_switch, name), switch_help(name))
+      for name in RANK_SWITCHES),
+)}
+
+_LINE = re.compile(r"^\s*%(?P<name>" + "|".join(MAGICS) + r")\b(?P<arg>.*)$")
+
+
+def split(code: str) -> tuple[list[Call], str]:
+    """Take the kernel's magics off a cell's first lines (their lines stay, blanked, so line
+    numbers hold): the calls in order, and the rest of the cell."""
     lines = code.split("\n")
-    found: list[tuple[str, str]] = []
+    found: list[Call] = []
     for i, line in enumerate(lines):
-        m = _PARENT_LINE.match(line)
+        m = _LINE.match(line)
         if m:
             found.append((m.group("name"), m.group("arg").strip()))
             lines[i] = ""
@@ -63,80 +123,37 @@ def split_parent_magics(code: str) -> tuple[list[tuple[str, str]], str]:
     return found, "\n".join(lines) if found else code
 
 
-def parse_rank_spec(spec: str, world_size: int, magic: str = "%%rank") -> tuple[int, ...]:
-    """Parse a rank selection into sorted rank ids, validating against the world size; errors
-    name ``magic``, the magic that was given the selection (``%dist_respawn 7``)."""
-    text = spec.split("#", 1)[0].strip()  # `%%rank 0  # the logger`: a comment, as in Python
-    hint = (f"This kernel has ranks 0-{world_size - 1}; write e.g. `{magic} all`, `{magic} 0`, "
-            f"`{magic} 0,{world_size - 1}` or `{magic} 0-{world_size - 1}`.")
-    if text.startswith("[") and text.endswith("]"):
-        text = text[1:-1].strip()
-    if not text:
-        raise RankSpecError(f"{magic} needs a rank selection. {hint}")
-    if text.lower() == "all":
-        return tuple(range(world_size))
-    ranks: set[int] = set()
-    for piece in text.split(","):
-        m = _PIECE.match(piece.strip())
-        if not m:
-            raise RankSpecError(f"{magic} {spec.strip()!r}: cannot parse {piece.strip()!r}. {hint}")
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) is not None else lo
-        if hi < lo:
-            raise RankSpecError(f"{magic} {spec.strip()!r}: range {lo}-{hi} runs backwards. {hint}")
-        if hi >= world_size:
-            # checked before the range is built: `0-100000000000` must not allocate its ranks
-            missing = f"{max(lo, world_size)}-{hi}" if hi > max(lo, world_size) else str(hi)
-            raise RankSpecError(f"{magic} {spec.strip()!r}: rank {missing} does not exist; {hint}")
-        ranks.update(range(lo, hi + 1))
-    return tuple(sorted(ranks))
+def read(code: str) -> tuple[list[Call], str]:
+    """:func:`split`, refusing (:class:`UsageError`) a magic of the kernel below a ``%%rank``
+    line, before anything runs."""
+    calls, rest = split(code)
+    lines = rest.split("\n")
+    i = rank_line(lines)
+    below = split("\n".join(lines[i + 1:]))[0] if i is not None else []
+    if i is not None and below:
+        name, selection = below[0][0], lines[i].strip()
+        raise UsageError(f"%{name} under `{selection}`: the kernel's magics act for every rank, so a %%rank line "
+                         "cannot pick ranks for them (a switch flipped on some ranks only would leave the ranks "
+                         f"disagreeing). Put %{name} in a cell of its own, or above the %%rank line; nothing ran.")
+    return calls, rest
 
 
-def plan_cell(code: str, world_size: int) -> CellPlan:
-    """Split off a leading ``%%rank`` line (blank lines before it allowed) or parent magics."""
-    magics, rest = split_parent_magics(code)
-    if magics:
-        return CellPlan(ranks=tuple(range(world_size)), code=rest, selected=False, magics=tuple(magics))
-    lines = code.split("\n")
-    first = next((i for i, line in enumerate(lines) if line.strip()), None)
-    if first is not None:
-        # the cell's leading cell magics: each one's body starts with the next, so `%%rank` may
-        # be any of them (`%%time` then `%%rank 0`: rank 0 times the rest)
-        i = first
-        while i < len(lines) and _CELL_MAGIC.match(lines[i]):
-            m = _RANK_LINE.match(lines[i])
-            if m:
-                ranks = parse_rank_spec(m.group("spec") or "", world_size)
-                # keep line numbers and cursor offsets right: the magic line becomes a comment of the
-                # same length. A blank line would be dropped by IPython's leading_empty_lines (every
-                # line number one off), and with the debugger on, which keeps that line, IPython's
-                # leading_indent would strip its width of spaces from the lines below it. Above
-                # another cell magic it is blanked, as that magic must come first.
-                above_magic = i + 1 < len(lines) and lines[i + 1].lstrip().startswith("%%")
-                body = "\n".join(" " * len(line) if n < first or (n == i and above_magic)
-                                 else _as_comment(line) if n == i else line for n, line in enumerate(lines))
-                return CellPlan(ranks=ranks, code=body, selected=True)
-            i += 1
-    return CellPlan(ranks=tuple(range(world_size)), code=code, selected=False)
+def waits(code: str) -> bool:
+    """Does this cell wait for a rank that ``--respawn on`` is starting anew? Every cell but one
+    of magics that need not (``%dist_status``, which then shows it being started) and no code."""
+    calls, rest = split(code)
+    return not (calls and not rest.strip() and all(not MAGICS[name].waits for name, _ in calls))
 
 
-def _as_comment(line: str) -> str:
-    """A ``%%rank`` line as a comment of the same length (``%%rank 0`` -> ``# rank 0``)."""
-    return line.replace("%%", "# ", 1)
-
-
-def format_ranks(ranks: list[int] | tuple[int, ...]) -> str:
-    """Compact form of a rank list: ``[0, 1, 2, 5]`` -> ``0-2,5``."""
-    out: list[str] = []
-    ordered = sorted(set(ranks))
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        if j - i >= 2:
-            out.append(f"{ordered[i]}-{ordered[j]}")
-        else:
-            out.extend(str(r) for r in ordered[i:j + 1])
-        i = j + 1
-    return ",".join(out)
+async def run(ctx: MagicContext, calls: Sequence[Call]) -> dict | None:
+    """Run a cell's magics in its order; the first that fails ends them: its error's content."""
+    for name, arg in calls:
+        try:
+            await MAGICS[name].handler(ctx, arg)
+        except MagicFailed as e:
+            return e.error
+        except DistKernelError as e:
+            return error_content(type(e), str(e) or magic_failed(name, arg, e))
+        except Exception as e:  # noqa: BLE001 - a rank that failed to start or join: said, the kernel stays
+            return error_content(type(e).__name__, magic_failed(name, arg, e))
+    return None

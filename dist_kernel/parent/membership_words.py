@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from dist_kernel.parent.magics import format_ranks
+from dist_kernel.parent.selection import format_ranks
 
 #: how a kernel message about the group starts (bold yellow, as the notes after a cell's error)
 HEAD = "\x1b[1;33mdist_kernel:\x1b[0m "

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from dist_kernel.parent.magics import format_ranks
+from dist_kernel.parent.selection import format_ranks
 from dist_kernel.protocol import Place
 
 P2P = ("send", "recv", "isend", "irecv")

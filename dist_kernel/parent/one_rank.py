@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dist_kernel.exceptions import RankSpecError
-from dist_kernel.parent.magics import plan_cell
+from dist_kernel.parent.selection import plan_cell
 
 if TYPE_CHECKING:
     from dist_kernel.parent.ranks import Ranks

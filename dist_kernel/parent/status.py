@@ -1,17 +1,13 @@
-"""The parent's own magics, run (``%dist_status``, ``%dist_output``, ``%dist_empty_cache``;
-read from a cell by :mod:`dist_kernel.parent.magics`), and ``%dist_status``'s table: one row
-per rank, as text and as HTML."""
+"""``%dist_status``: one row per rank, as text and as HTML, and where the kernel's output log is."""
 
 from __future__ import annotations
 
 import asyncio
 import html
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from dist_kernel.exceptions import RankRequestError, UsageError, error_content
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.magics import format_ranks
 from dist_kernel.parent.top import status_loads
 from dist_kernel.parent.top_table import status_columns
 
@@ -47,34 +43,26 @@ def _cell(value: object) -> str:
 STARTING = "being started anew (--respawn on)"
 
 
-async def run_parent_magics(ranks: Ranks, magics: tuple[tuple[str, str], ...],
-                            publish: Callable[[str, dict], None],
-                            set_output: Callable[[str], None], starting: Collection[int] = (),
-                            output_log: str = "") -> dict | None:
-    """Run a cell's parent magics in order (``(name, argument)`` each); the first one's error
-    content ends them. ``publish(msg_type, content)`` shows their output in the cell;
-    ``set_output`` takes ``%dist_output``'s policy; ``starting``: the ranks ``--respawn on`` is
-    starting anew now (``%dist_status`` shows them so, without waiting); ``output_log`` is where
-    the kernel's output log is (``%dist_status`` says)."""
-    for name, arg in magics:
-        if name == "dist_status":
-            table, loads = await asyncio.gather(ranks.status(), status_loads(ranks))
-            # %dist_top's columns as a snapshot; n/a where unknown (no NVML, no GPU)
-            table = {r: {**row, **status_columns(loads.get(r, {})), **({"state": STARTING} if r in starting else {})}
-                     for r, row in table.items()}
-            publish("display_data", status_bundle(table, ranks.config, output_log))
-        elif name == "dist_output":
-            if arg not in ("all", "rank0"):
-                return error_content(UsageError, f"%dist_output {arg!r}: use `%dist_output all` "
-                                      "(rich output from every rank, merged) or `%dist_output rank0`.")
-            set_output(arg)
-            publish("stream", {"name": "stdout", "text": f"rich output from: {arg}\n"})
-        elif name == "dist_empty_cache":
-            if arg not in ("on", "off"):
-                return error_content(UsageError, f"%dist_empty_cache {arg!r}: use on or off.")
-            missing = await ranks.set_option("empty_cache", arg == "on")
-            if missing:
-                return error_content(RankRequestError, f"rank {format_ranks(missing)} did not confirm "
-                                     "%dist_empty_cache; run it again, or restart the kernel.")
-            publish("stream", {"name": "stdout", "text": f"empty_cache after each cell: {arg}\n"})
-    return None
+class StatusCall(Protocol):
+    """What ``%dist_status`` is given (:class:`~dist_kernel.parent.magics.MagicContext` is one)."""
+
+    @property
+    def ranks(self) -> Ranks: ...
+    @property
+    def publish(self) -> Callable[[str, dict], None]: ...
+    @property
+    def starting(self) -> Collection[int]:
+        """The ranks ``--respawn on`` is starting anew now: shown so, without waiting for them."""
+    @property
+    def output_log(self) -> str:
+        """Where the kernel's output log is."""
+
+
+async def dist_status(call: StatusCall, arg: str) -> None:
+    """``%dist_status``: each rank's row, with ``%dist_top``'s columns as a snapshot."""
+    ranks = call.ranks
+    table, loads = await asyncio.gather(ranks.status(), status_loads(ranks))
+    # n/a where unknown (no NVML, no GPU)
+    table = {r: {**row, **status_columns(loads.get(r, {})), **({"state": STARTING} if r in call.starting else {})}
+             for r, row in table.items()}
+    call.publish("display_data", status_bundle(table, ranks.config, call.output_log))

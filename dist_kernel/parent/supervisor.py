@@ -35,7 +35,7 @@ from dist_kernel.parent.channels import RankChannel, Routes
 from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit, settle_for
 from dist_kernel.parent.launch import RankHandle, make_gang_launcher
 from dist_kernel.parent.launch.node_starters import end_launch
-from dist_kernel.parent.magics import format_ranks
+from dist_kernel.parent.selection import format_ranks
 from dist_kernel.processes import state_words
 
 LOG_TAIL_LINES = 30
@@ -90,7 +90,9 @@ class RankSupervisor:
                  on_stdin: Callable[[int, dict], None] | None = None,
                  on_stopped: Callable[[int, str], None] | None = None,
                  extra_argv: list[str] | None = None, on_note: Callable[[str], None] | None = None) -> None:
-        self.config = config
+        self.config = config  # the options now: %dist_ranks and the rank switches' magics change them
+        #: what a rank joining for the first time installs; formation switches it as config says after
+        self.switches_at_start = config.rank_switches()
         self.on_unrouted = on_unrouted
         #: msg_id -> the handlers of a request sent to many ranks (a cell): its IOPub, its replies
         self.routes = Routes()
@@ -226,7 +228,7 @@ class RankSupervisor:
         req = protocol.Join(rank=rank, world_size=cfg.world_size, local_rank=cfg.local_rank_of(rank),
                             backend=cfg.backend, store=self._store(),
                             timeout=cfg.timeout, use_cuda=cfg.uses_cuda, first=first,
-                            seed=self.seed if first else None, switches=cfg.rank_switches(),
+                            seed=self.seed if first else None, switches=self.switches_at_start,
                             local_world_size=cfg.ranks_per_node)
         try:
             reply = await r.channel.request(req, timeout=cfg.startup_timeout)
@@ -287,7 +289,9 @@ class RankSupervisor:
         return [r for r, reply in zip(asked, replies, strict=True) if reply is None]
 
     async def set_option(self, name: str, on: bool) -> list[int]:
-        """Switch a rank-side option on every live rank; the ranks that did not confirm."""
+        """Switch a rank-side option on every live rank, and on those started later (it is the kernel's
+        option now: :func:`~dist_kernel.parent.formation.form_group`); the ranks that did not confirm."""
+        self.config = self.config.with_switch(name, on)
         replies = await asyncio.gather(*(self.ask(r, protocol.SetOption(name=name, on=on))
                                          for r in self.live_ranks()))
         return [r for r, reply in zip(self.live_ranks(), replies, strict=True) if reply is None]

@@ -25,8 +25,8 @@ from dist_kernel.exceptions import RankRequestError, UsageError, error_content
 from dist_kernel.parent import fault_policy
 from dist_kernel.parent.execution import CellRun, CellSpec, GroupState
 from dist_kernel.parent.group_magics import MagicFailed, copied_lines, sync_report
-from dist_kernel.parent.magics import format_ranks
 from dist_kernel.parent.relay import Outlet
+from dist_kernel.parent.selection import format_ranks
 
 if TYPE_CHECKING:
     import asyncio

@@ -21,9 +21,9 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from dist_kernel.exceptions import UsageError, error_content
+from dist_kernel.exceptions import UsageError
 from dist_kernel.load import LoadSampler, clean, gpu_target
 from dist_kernel.parent.top_table import TopRow, bundle, state_of
 
@@ -75,23 +75,6 @@ class TopMonitor:
         self._task: asyncio.Task | None = None
         self._display_id: str | None = None
         self._end: Callable[[], None] | None = None
-
-    # --------------------------------------------------------------- magic
-    def run_magics(self, magics: tuple[tuple[str, str], ...], publish: Publish) -> dict | None:
-        """``%dist_top`` (on) and ``%dist_top off`` among a cell's parent magics; an error's content
-        for anything else."""
-        for name, arg in magics:
-            if name != "dist_top":
-                continue
-            word = arg.split("#", 1)[0].strip().lower()
-            if word not in ("", "on", "off"):
-                return error_content(UsageError, f"%dist_top {arg.strip()!r}: use `%dist_top` to show each rank's "
-                                     "load while cells run, `%dist_top off` to stop.")
-            self.on = word != "off"
-            text = ("dist_top: on (a table of each rank's load, updated while cells run)\n" if self.on
-                    else "dist_top: off\n")
-            publish("stream", {"name": "stdout", "text": text})
-        return None
 
     # ---------------------------------------------------------- live table
     def start_cell(self, ranks: Ranks, busy: Callable[[], list[int]], at_breakpoint: Callable[[], tuple[int, ...]],
@@ -155,6 +138,24 @@ class TopMonitor:
             self._display_id = f"dist-top-{uuid.uuid4().hex}"
         content = {"data": bundle(rows), "metadata": META, "transient": {"display_id": self._display_id}}
         publish("display_data" if first else "update_display_data", content)
+
+
+class TopCall(Protocol):
+    """What ``%dist_top`` is given (:class:`~dist_kernel.parent.magics.MagicContext` is one)."""
+
+    @property
+    def top(self) -> TopMonitor: ...
+    def say(self, text: str) -> None: ...
+
+
+async def dist_top(call: TopCall, arg: str) -> None:
+    """``%dist_top`` (on) and ``%dist_top off``."""
+    word = arg.split("#", 1)[0].strip().lower()
+    if word not in ("", "on", "off"):
+        raise UsageError(f"%dist_top {arg.strip()!r}: use `%dist_top` to show each rank's load while cells run, "
+                         "`%dist_top off` to stop.")
+    call.top.on = word != "off"
+    call.say("dist_top: on (a table of each rank's load, updated while cells run)" if call.top.on else "dist_top: off")
 
 
 async def status_loads(ranks: Ranks) -> dict[int, dict]:

@@ -10,8 +10,9 @@ the kernel's ``--hf`` option is on. It imports neither library: import hooks
   show once, unlabelled.
 
 Training itself needs no patch: accelerate and ``Trainer`` find the group the kernel formed (and
-``ACCELERATE_USE_CPU`` on CPU ranks, see :mod:`dist_kernel.placement`). ``%dist_hf on|off``
-switches the patches at run time: they stay in place but pass straight through while off.
+``ACCELERATE_USE_CPU`` on CPU ranks, see :mod:`dist_kernel.placement`). ``%dist_hf on|off`` (the
+parent's magic, sent to every rank) switches the patches at run time: they stay in place but
+pass straight through while off.
 """
 
 from __future__ import annotations
@@ -26,7 +27,5 @@ def install() -> None:
     """Arrange for accelerate and Transformers to be patched when (and only when) imported."""
     from dist_kernel.rank import accelerate, transformers
 
-    first = import_hook.patch_on_import("accelerate", accelerate.PATCHES)
+    import_hook.patch_on_import("accelerate", accelerate.PATCHES)
     import_hook.patch_on_import("transformers", transformers.PATCHES)
-    if first:
-        switch.register_magic()

@@ -15,11 +15,12 @@ from typing import Any
 
 
 class Switch:
-    """An integration's run-time switch, and the ``%dist_<name> on|off`` magic that flips it."""
+    """An integration's run-time switch. The parent flips it on every rank at once
+    (``%dist_<name> on|off``, sent as ``set_option``: :mod:`dist_kernel.rank.switches`); a rank
+    never flips it alone."""
 
-    def __init__(self, name: str, title: str) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.title = title  # "fastai", "Hugging Face (accelerate, Transformers)"
         self.enabled = True
 
     def set(self, on: bool) -> None:
@@ -29,34 +30,16 @@ class Switch:
         """Should the patches act: switched on, and inside a group of 2 or more ranks?"""
         return self.enabled and world_size() > 1
 
-    def magic(self, line: str = "") -> None:
-        """``%dist_<name> on|off``: switch the integration; no argument shows the state."""
-        arg = line.strip().lower()
-        if arg in ("on", "true", "1"):
-            self.set(True)
-        elif arg in ("off", "false", "0"):
-            self.set(False)
-        elif arg:
-            raise ValueError(f"%dist_{self.name} {line.strip()!r}: use `%dist_{self.name} on` or `%dist_{self.name} off`.")
-        print(f"dist_kernel {self.title} integration: {'on' if self.enabled else 'off'}")
-
-    def register_magic(self) -> None:
-        from IPython import get_ipython
-
-        shell = get_ipython()
-        if shell is not None:
-            shell.register_magic_function(self.magic, "line", f"dist_{self.name}")
-
 
 # Every integration's switch lives here, so that an integration's package and the patch modules
 # it installs all read it without an import cycle, and ``set_option`` (dist_kernel.rank.switches)
 # reaches it without importing the integration.
 #: ``--fastai``, ``%dist_fastai``
-fastai = Switch("fastai", "fastai")
+fastai = Switch("fastai")
 #: ``--lightning``, ``%dist_lightning``
-lightning = Switch("lightning", "Lightning")
+lightning = Switch("lightning")
 #: ``--hf``, ``%dist_hf``
-hf = Switch("hf", "Hugging Face (accelerate, Transformers)")
+hf = Switch("hf")
 
 
 def in_group() -> bool:

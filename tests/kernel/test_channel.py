@@ -131,7 +131,7 @@ def test_the_kernel_survives_a_wiped_namespace_on_every_rank():
         status = k.execute("%dist_status").of_type("display_data")[0].content["data"]["text/plain"]
         assert len([line for line in status.splitlines() if re.match(r"^[01] ", line)]) == 2
         assert all(" idle" in line for line in status.splitlines() if re.match(r"^[01] ", line))
-        assert k.execute("%dist_empty_cache off").stream() == "empty_cache after each cell: off\n"
+        assert k.execute("%dist_empty_cache off").stream() == "empty_cache: off on every rank\n"
     finally:
         k.shutdown()
 

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from harness import DistKernel, shell_reply, visible
+from harness import DistKernel, error_of, shell_reply, visible
 
 pytestmark = pytest.mark.slow
 
@@ -129,6 +129,28 @@ def test_empty_cache_after_each_cell_can_be_switched_off_and_on(kernel2):
     assert "False" in kernel2.execute("%dist_status").of_type("display_data")[0].text
     kernel2.execute("%dist_empty_cache on")
     assert "False" not in kernel2.execute("%dist_status").of_type("display_data")[0].text
+
+
+#: each rank's fastai switch, merged into one line when the ranks agree
+FASTAI_FLAG = "from dist_kernel.rank.integration import fastai as _fastai\nprint(_fastai.enabled)"
+
+
+def test_a_rank_line_around_a_switch_cannot_leave_the_ranks_disagreeing(kernel2):
+    """Issue 37: ``%%rank 1`` + ``%dist_fastai off`` switched rank 1 alone. Now the kernel refuses
+    it, a rank refuses the magic below code, and the kernel's magic switches every rank."""
+    refused = kernel2.execute("%%rank 1\n%dist_fastai off")
+    assert refused.status == "error" and "%dist_fastai under `%%rank 1`" in error_of(refused)["evalue"]
+    below = kernel2.execute("%%rank 1\nx = 1\n%dist_fastai off")
+    assert below.status == "error" and "a rank never switches fastai alone" in below.stream("stderr"), below.explain()
+    run = kernel2.execute("get_ipython().run_line_magic('dist_fastai', 'off')")
+    assert run.status == "error" and "a rank never switches fastai alone" in run.stream("stderr"), run.explain()
+    assert kernel2.execute(FASTAI_FLAG).stream() == "True\n"  # the same on both ranks: merged
+    try:
+        assert kernel2.execute("%dist_fastai off").stream() == "fastai: off on every rank\n"
+        assert kernel2.execute(FASTAI_FLAG).stream() == "False\n"
+    finally:
+        assert kernel2.execute("%dist_fastai on").status == "ok"
+    assert kernel2.execute(FASTAI_FLAG).stream() == "True\n"
 
 
 def test_interrupt_stops_every_busy_rank_once_and_the_kernel_stays_usable(kernel2):

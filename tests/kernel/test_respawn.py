@@ -159,6 +159,31 @@ def test_the_rank_count_grows_and_shrinks_in_place_keeping_the_survivors_variabl
     assert len(two.rank_pids()) == 2  # the ended ranks are gone
 
 
+def _table_rows(output) -> list[str]:
+    """The rank rows of a ``%dist_status`` display."""
+    return [line for line in output.text.splitlines()[2:] if line[:1].isdigit()]
+
+
+def test_a_cells_magics_run_in_its_order_and_a_new_rank_takes_the_switch_the_others_have(two):
+    """Issue 37: ``%dist_ranks 3`` then ``%dist_status`` showed 2 ranks, then "now 3 ranks"; the
+    rank the first started joined with the kernelspec's ``empty_cache`` (on), not the session's."""
+    assert two.execute("%dist_empty_cache off").status == "ok"
+    try:
+        grown = two.execute("%dist_ranks 3\n%dist_status", timeout=180)
+        assert grown.status == "ok", grown.explain()
+        assert [o.msg_type for o in grown.outputs] == ["stream", "display_data"], grown.outputs
+        assert "now 3 ranks" in grown.outputs[0].text and "3 ranks" in grown.outputs[1].text.splitlines()[0]
+        rows = _table_rows(grown.outputs[1])
+        assert [row.split()[0] for row in rows] == ["0", "1", "2"], rows
+        assert all(row.rstrip().endswith("False") for row in rows), rows  # rank 2 too: empty_cache off
+        shrunk = two.execute("%dist_status\n%dist_ranks 2", timeout=120)
+        assert [o.msg_type for o in shrunk.outputs] == ["display_data", "stream"], shrunk.explain()
+        assert len(_table_rows(shrunk.outputs[0])) == 3 and "Ended rank 2" in shrunk.outputs[1].text
+    finally:
+        assert two.execute("%dist_empty_cache on").status == "ok"
+    assert two.execute(SUM_OF_RANKS).stream() == "1\n"
+
+
 def test_a_wrong_rank_count_is_refused_naming_the_fix(two):
     err = error_of(two.execute("%dist_ranks 0"))
     assert err["ename"] == "UsageError" and "%dist_ranks 4" in err["evalue"]

@@ -18,7 +18,7 @@ import functools
 import itertools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dist_kernel.exceptions import ConfigError, RankDiedError, RankRequestError
 from dist_kernel.options import KernelConfig
@@ -61,6 +61,8 @@ class FakeRanks:
         self.formations = 0
         self.respawned: list[int] = []
         self.sampling: list[bool] = []  # sample_remote's calls (%dist_top)
+        self.options: list[tuple[str, bool]] = []  # set_option's calls (the rank switches' magics)
+        self.events: list[str] = []  # what the magics did to the ranks, in order (%dist_ranks, set_option)
         self.inputs: list[tuple[int, str]] = []
         self.groups: list[list[int]] = []  # the ranks of each reply group handed to a cell (send_cell)
         self._ids = itertools.count()
@@ -219,7 +221,19 @@ class FakeRanks:
         return {r: {"pid": self.pid(r), "state": "idle"} for r in range(self.config.world_size)}
 
     async def set_option(self, name: str, on: bool) -> list[int]:
+        """Every live rank switched, as the supervisor's: the kernel's option from now on."""
+        self.options.append((name, on))
+        self.events.append(f"set_option {name} {on}")
+        self.config = self.config.with_switch(name, on)
         return []
+
+    async def resize(self, n: int) -> tuple[list[int], list[int]]:
+        """``%dist_ranks N``: the world is ``n`` ranks from now on (fresh ones run the script too)."""
+        old = self.config.world_size
+        self.config = replace(self.config, world_size=n, ranks_per_node=n)
+        self.events.append(f"resize {old} -> {n}")
+        self.formations += 1
+        return list(range(old, n)), list(range(n, old))
 
     def host(self, rank: int) -> str:
         return ""

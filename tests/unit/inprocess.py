@@ -8,11 +8,14 @@ kernel's session, as a frontend would read them. Only the ranks are fake (:mod:`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import zmq
+from fake_ranks import FakeRanks, Script
 from jupyter_client.session import Session
 from zmq.eventloop.zmqstream import ZMQStream
 
@@ -129,3 +132,23 @@ class Frontend:
         """IOPub messages for ``msg`` so far (for requests still running)."""
         self._drain()
         return list(self._pending.get(msg["header"]["msg_id"], []))
+
+
+def on_fake_ranks(test: Callable[[Frontend, FakeRanks], Awaitable], script: Script | None = None,
+                  world_size: int = 2, ready: bool = True, **options) -> object:
+    """Run ``test(frontend, ranks)`` against a kernel whose ranks are :class:`FakeRanks` (started,
+    unless not ``ready``), with ``options`` (``KernelConfig`` fields: ``fastai=False``) as their
+    kernelspec's."""
+    async def main():
+        fe = Frontend()
+        ranks = FakeRanks(fe.kernel, world_size=world_size, script=script)
+        ranks.config = dataclasses.replace(ranks.config, **options)
+        fe.kernel.dist_config = ranks.config
+        fe.kernel.attach(ranks)
+        if ready:
+            await ranks.start()
+        try:
+            return await test(fe, ranks)
+        finally:
+            fe.close()
+    return asyncio.run(main())

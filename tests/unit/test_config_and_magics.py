@@ -14,7 +14,7 @@ from option_args import ns
 from dist_kernel import capacity, devices
 from dist_kernel import options as config
 from dist_kernel.exceptions import ConfigError, RankSpecError
-from dist_kernel.parent.magics import format_ranks, parse_rank_spec, plan_cell
+from dist_kernel.parent.selection import format_ranks, parse_rank_spec, plan_cell
 
 
 class TestRankSpec:

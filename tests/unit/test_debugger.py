@@ -10,10 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from dist_kernel.exceptions import UsageError
 from dist_kernel.kernelspec import kernel_json
+from dist_kernel.parent import debugger, magics
 from dist_kernel.parent.debugger import DebugSession, parse_dist_debug
 from dist_kernel.parent.fault_policy import Cell, Judge, look_due
-from dist_kernel.parent.magics import plan_cell
 from dist_kernel.protocol import Place
 
 
@@ -33,8 +34,15 @@ def test_dist_debug_refuses_what_is_not_one_rank(arg, says):
 
 
 def test_dist_debug_is_a_parent_magic():
-    plan = plan_cell("%dist_debug 1\n", 2)
-    assert plan.magics == (("dist_debug", "1"),) and not plan.code.strip()
+    calls, rest = magics.split("%dist_debug 1\n")
+    assert calls == [("dist_debug", "1")] and not rest.strip()
+
+
+def dist_debug(dbg: DebugSession, ranks, arg: str) -> list[str]:
+    """``%dist_debug ARG`` as the kernel runs it; what it said."""
+    said: list[str] = []
+    asyncio.run(debugger.dist_debug(SimpleNamespace(ranks=ranks, debug=dbg, say=said.append), arg))
+    return said
 
 
 def test_the_kernelspec_announces_the_debugger_where_debugpy_is_there():
@@ -137,16 +145,14 @@ def test_dist_debug_moves_the_session_to_the_new_rank():
                           ("configurationDone", {})):
         asyncio.run(dbg.request(ranks, request(command, **args)))
     ranks.sent.clear()
-    out: list = []
-    assert asyncio.run(dbg.run_magics(ranks, (("dist_debug", "1"),), lambda t, c: out.append(c["text"]))) is None
+    assert dist_debug(dbg, ranks, "1") == ["debugger: rank 1\n"]
     assert ranks.sent == [(0, "disconnect"), (1, "initialize"), (1, "attach"), (1, "setBreakpoints"),
                           (1, "configurationDone")]
-    assert out == ["debugger: rank 1\n"]
     ranks.sent.clear()
-    asyncio.run(dbg.run_magics(ranks, (("dist_debug", "off"),), lambda t, c: out.append(c["text"])))
+    dist_debug(dbg, ranks, "off")
     assert ranks.sent == [(1, "disconnect")] and not dbg.active
-    err = asyncio.run(dbg.run_magics(ranks, (("dist_debug", "2"),), lambda t, c: None))
-    assert err is not None and err["ename"] == "UsageError"
+    with pytest.raises(UsageError, match="rank 2 does not exist"):
+        dist_debug(dbg, ranks, "2")
 
 
 def test_shutdown_ends_the_session_and_lets_a_stopped_rank_go_on():
@@ -207,10 +213,8 @@ def test_before_a_cell_or_at_dist_debug_the_replaced_rank_gets_the_session_back(
     dbg.rank = 1
     _started(dbg, ranks)
     ranks.pids[1] = 2001
-    out: list = []
-    assert asyncio.run(dbg.run_magics(ranks, (("dist_debug", "1"),), lambda t, c: out.append(c["text"]))) is None
+    assert dist_debug(dbg, ranks, "1") == ["debugger: rank 1\n"]
     assert ranks.sent == [(1, "initialize"), (1, "attach"), (1, "setBreakpoints"), (1, "configurationDone")]
-    assert out == ["debugger: rank 1\n"]
 
 
 def test_nothing_is_asked_of_a_process_that_never_had_the_session():
@@ -223,11 +227,11 @@ def test_nothing_is_asked_of_a_process_that_never_had_the_session():
     dbg.on_event(1, {"event": "stopped", "body": {"threadId": 1}})
     dbg.rank_died(1)
     ranks.pids[1] = 2001
-    asyncio.run(dbg.run_magics(ranks, (("dist_debug", "0"),), lambda t, c: None))
+    dist_debug(dbg, ranks, "0")
     assert ranks.sent == [(0, "initialize"), (0, "attach"), (0, "setBreakpoints"), (0, "configurationDone")]
     ranks.sent.clear()
     ranks.pids[0] = 2000
-    asyncio.run(dbg.run_magics(ranks, (("dist_debug", "off"),), lambda t, c: None))
+    dist_debug(dbg, ranks, "off")
     assert ranks.sent == [] and not dbg.active
 
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from dist_kernel.rank import import_hook
+from dist_kernel.options import RANK_SWITCHES
+from dist_kernel.rank import import_hook, integration, switches
 from dist_kernel.rank.accelerate import check_processes
 from dist_kernel.rank.integration import Switch
 
@@ -55,14 +56,38 @@ def test_patch_tables_combine_per_module_in_order():
     assert calls == ["a", "b"]
 
 
-def test_a_switch_turns_off_and_on_and_refuses_other_words(capsys):
-    s = Switch("toy", "Toy")
-    s.magic("off")
-    assert not s.enabled and capsys.readouterr().out == "dist_kernel Toy integration: off\n"
-    s.magic("on")
+def test_a_switch_turns_off_and_on():
+    s = Switch("toy")
+    s.set(False)
+    assert not s.enabled and not s.active()
+    s.set(True)
     assert s.enabled
-    with pytest.raises(ValueError, match="use `%dist_toy on` or `%dist_toy off`"):
-        s.magic("maybe")
+
+
+def test_a_rank_refuses_every_switchs_magic_and_points_at_the_kernels(monkeypatch):
+    """``%dist_fastai off`` below code, or in ``run_line_magic``, reaches a rank: it never flips
+    that rank alone (the ranks would disagree), it says where the magic goes."""
+    import IPython
+    from IPython.core.error import UsageError
+
+    registered: dict[str, object] = {}
+
+    class Shell:
+        def register_magic_function(self, fn, kind, name):
+            assert kind == "line"
+            registered[name] = fn
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: Shell())
+    before = {name: s.enabled for name, s in (("fastai", integration.fastai), ("hf", integration.hf))}
+    switches._register_stand_ins()
+    assert sorted(registered) == sorted(f"dist_{name}" for name in RANK_SWITCHES)
+    with pytest.raises(UsageError) as e:
+        registered["dist_fastai"]("off")
+    assert "%dist_fastai off reached a rank, and a rank never switches fastai alone" in str(e.value)
+    assert "put `%dist_fastai off` at the top of a cell, before any code and without %%rank" in str(e.value)
+    with pytest.raises(UsageError, match="`%dist_empty_cache` at the top of a cell"):
+        registered["dist_empty_cache"]("")
+    assert {name: s.enabled for name, s in (("fastai", integration.fastai), ("hf", integration.hf))} == before
 
 
 def test_notebook_launcher_takes_every_rank_or_exactly_their_number():

@@ -11,8 +11,8 @@ import asyncio
 import dataclasses
 
 import pytest
-from fake_ranks import Act, FakeRanks, stdout
-from inprocess import Frontend
+from fake_ranks import Act, stdout
+from inprocess import on_fake_ranks
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,18 +20,7 @@ pytestmark = pytest.mark.timeout(30)
 def run(test):
     """Run ``test(frontend, ranks)`` against a kernel on two fake ranks (or ``world_size``)."""
     def go(script=None, world_size=2, hang_grace=0.2, ranks_ready=True):
-        async def main():
-            fe = Frontend()
-            ranks = FakeRanks(fe.kernel, world_size=world_size, script=script, hang_grace=hang_grace)
-            fe.kernel.dist_config = ranks.config
-            fe.kernel.attach(ranks)
-            if ranks_ready:
-                await ranks.start()
-            try:
-                return await test(fe, ranks)
-            finally:
-                fe.close()
-        return asyncio.run(main())
+        return on_fake_ranks(test, script, world_size, ready=ranks_ready, hang_grace=hang_grace)
     return go
 
 

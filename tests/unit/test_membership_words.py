@@ -11,7 +11,7 @@ import pytest
 
 from dist_kernel.exceptions import RankSpecError
 from dist_kernel.parent import membership_words as words
-from dist_kernel.parent.magics import parse_rank_spec
+from dist_kernel.parent.selection import parse_rank_spec
 
 ONE, TWO = [1], [1, 2]
 

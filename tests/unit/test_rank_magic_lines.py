@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dist_kernel.exceptions import RankSpecError
-from dist_kernel.parent.magics import parse_rank_spec, plan_cell
+from dist_kernel.parent.selection import parse_rank_spec, plan_cell
 
 
 @pytest.mark.parametrize("line", ["%%rank 0 # the logger", "%%rank 0# the logger", "%%rank [0, 1]  # both",

@@ -11,11 +11,11 @@ import sys
 import types
 
 import pytest
-from fake_ranks import Act, FakeRanks
-from inprocess import Frontend
+from fake_ranks import Act
+from inprocess import on_fake_ranks
 
 from dist_kernel.load import KEYS, LoadSampler, Nvml, clean, gpu_target
-from dist_kernel.parent.magics import plan_cell
+from dist_kernel.parent import magics
 from dist_kernel.parent.top_table import (
     NA,
     TopRow,
@@ -159,23 +159,15 @@ def test_a_process_is_sampled_from_outside_and_a_gone_one_is_n_a():
 
 # ------------------------------------------------------------------ in the kernel
 def test_dist_top_is_a_parent_magic():
-    plan = plan_cell("%dist_top off\n", 2)
-    assert plan.magics == (("dist_top", "off"),) and not plan.code.strip()
+    calls, rest = magics.split("%dist_top off\n")
+    assert calls == [("dist_top", "off")] and not rest.strip()
 
 
 def _kernel_test(test, script):
-    async def main():
-        fe = Frontend()
-        ranks = FakeRanks(fe.kernel, world_size=2, script=script, hang_grace=60)
-        fe.kernel.dist_config = ranks.config
-        fe.kernel.attach(ranks)
+    async def fast(fe, ranks):
         fe.kernel.top.interval = 0.05
-        await ranks.start()
-        try:
-            return await test(fe, ranks)
-        finally:
-            fe.close()
-    return asyncio.run(main())
+        return await test(fe, ranks)
+    return on_fake_ranks(fast, script, hang_grace=60)
 
 
 def _tables(messages: list[dict]) -> list[tuple[str, str, str]]:

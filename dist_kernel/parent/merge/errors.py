@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 
 from dist_kernel.exceptions import DistributedError
-from dist_kernel.parent.magics import format_ranks
+from dist_kernel.parent.selection import format_ranks
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _CELL_NO = re.compile(r"(In\s*\[|Cell In\[)\d+(\])")

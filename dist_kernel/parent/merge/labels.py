@@ -8,8 +8,8 @@ import functools
 import html
 from collections.abc import Hashable, Sequence
 
-from dist_kernel.parent.magics import format_ranks
 from dist_kernel.parent.merge.units import content_key
+from dist_kernel.parent.selection import format_ranks
 from dist_kernel.protocol import META, META_GROUPS, META_RANKS, with_meta
 
 

@@ -13,7 +13,7 @@ What gets patched, and why, lives in modules named by domain:
 - :mod:`dist_kernel.rank.fastai.figures`: figures and tables drawn from random batches
   (``show_batch``, ``show_results``, ``plot_loss``, ...) shown once, not once per rank.
 
-``%dist_fastai on|off`` (an IPython line magic in the ranks) switches the behaviour at run
+``%dist_fastai on|off`` (the parent's magic, sent to every rank) switches the behaviour at run
 time: the patches stay in place but pass straight through to fastai while it is off. The
 switch and the helpers the patches share live in :mod:`dist_kernel.rank.fastai.state`, which
 imports none of the others.
@@ -22,13 +22,11 @@ imports none of the others.
 from __future__ import annotations
 
 from dist_kernel.rank import import_hook
-from dist_kernel.rank.fastai.state import switch
 
 
 def install() -> None:
     """Arrange for fastai to train data-parallel when (and only when) it is imported."""
     from dist_kernel.rank.fastai import figures, files, training
 
-    if import_hook.patch_on_import("fastai", import_hook.combine(training.PATCHES, files.PATCHES, figures.PATCHES)):
-        switch.register_magic()  # %dist_fastai on|off
+    import_hook.patch_on_import("fastai", import_hook.combine(training.PATCHES, files.PATCHES, figures.PATCHES))
 

@@ -19,7 +19,7 @@ Lightning believes one interactive process must fork the others. It then refuses
 - the progress bar and tables rank 0 shows during ``fit``/``validate``/``test``/``predict``
   are shown unlabelled, as one process would show them (rank 0 is Lightning's only bar).
 
-``%dist_lightning on|off`` (a line magic in the ranks) and ``--lightning off`` switch it.
+``%dist_lightning on|off`` (the parent's magic, sent to every rank) and ``--lightning off`` switch it.
 """
 
 from __future__ import annotations
@@ -140,5 +140,4 @@ def _patches() -> dict[str, Callable[[ModuleType], None]]:
 
 def install() -> None:
     """Arrange for Lightning to use the kernel's ranks when (and only when) it is imported."""
-    if import_hook.patch_on_import("lightning", _patches()):
-        switch.register_magic()  # %dist_lightning on|off
+    import_hook.patch_on_import("lightning", _patches())
