@@ -43,7 +43,7 @@ from dist_kernel.parent.stdin import RankInput
 from dist_kernel.parent.supervisor import RankSupervisor
 from dist_kernel.parent.sync_run import SyncRun
 from dist_kernel.parent.throttle import OutputBudget
-from dist_kernel.parent.top import TopMonitor
+from dist_kernel.parent.top import TopMonitor, watched
 from dist_kernel.protocol import META_CELL, META_COUNT, META_RANKS, META_SOURCE, with_meta
 
 Run = TypeVar("Run", bound=CellRun)
@@ -227,7 +227,7 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
             self.comms.sent(msg_id, parent["header"]["msg_id"])
         self._held.release()
         self.top.start_cell(ranks, lambda: run.busy_ranks, self.debug.stopped_ranks,
-                            lambda t, c: self._publish(parent, t, c))
+                            lambda t, c: self._publish(parent, t, c), live=watched(parent))
         try:
             result = await run.finish()
         finally:
@@ -259,7 +259,7 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
         launched = self.dist_config if isinstance(self.dist_config, KernelConfig) else self.ranks.config
         return MagicContext(self.ranks, lambda t, c: self._publish(parent, t, c), launched, self.debug, self.top,
                             functools.partial(setattr, self, "output_policy"), functools.partial(self._copy, parent),
-                            self._respawning.starting, self.output_log.note)
+                            self._respawning.starting, self.output_log.note, live=watched(parent))
 
     async def _copy(self, parent: dict, names: list[str], src: int) -> str:
         """``%dist_sync`` as the current cell (:class:`SyncRun`): the stop button and deaths reach it."""
