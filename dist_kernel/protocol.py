@@ -74,6 +74,10 @@ META_BRANCH = "branch"
 #: merged output, parent -> frontend: the ranks it stands for are :data:`META_RANKS`; a merged
 #: display also lists its rank groups here (a list of lists of int)
 META_GROUPS = "groups"
+#: execute_request, frontend -> parent: the frontend shows ``%dist_top``'s table as a live view
+#: although its cells allow no stdin (``python -m dist_kernel run`` on a terminal, which keeps the
+#: table out of the notebook it saves) (true)
+META_LIVE = "live"
 
 
 def meta_of(metadata: dict | None) -> dict:

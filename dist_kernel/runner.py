@@ -6,7 +6,7 @@ log shares: stream text as is, rich outputs as their text/plain, a display updat
 line every few seconds and its last frame), on stdout and stderr as the notebook has them; the
 cell's place and time go to stderr, so stdout holds only the notebook's output. On a terminal,
 ``%dist_top``'s table of the ranks (state, load, line) is a live status under the running cell's
-output (:mod:`dist_kernel.statusline`), left out of the saved notebook.
+output (:mod:`dist_kernel.statusline`); it is never saved in the notebook.
 
 With ``--output``, the notebook is saved after every cell (and every :data:`SAVE_EVERY` seconds
 of a long cell), as papermill does, each time to a temporary file then renamed over the output:
@@ -44,6 +44,7 @@ from traitlets import Type
 from dist_kernel.cleanup import SOCKET_PATH_MAX, make_runtime_dir, owner_pid
 from dist_kernel.kernelspec import kernel_json
 from dist_kernel.parent.merge import strip_ansi
+from dist_kernel.protocol import META_LIVE, meta_of, with_meta
 from dist_kernel.statusline import StatusLine
 from dist_kernel.text_output import TextOutput, is_top
 
@@ -79,7 +80,13 @@ class _ShellChannel(AsyncZMQSocketChannel):
     asyncio socket's own send wakes the pending receive.
     """
 
+    #: the run shows ``%dist_top``'s table as a status line: said in each cell's request, whose
+    #: ``allow_stdin`` (off: nobody answers ``input()`` here) would keep the kernel from sending it
+    live = False
+
     def send(self, msg: dict[str, Any]) -> None:
+        if self.live and msg["header"]["msg_type"] == "execute_request":
+            msg["metadata"] = with_meta(msg.get("metadata"), {**meta_of(msg.get("metadata")), META_LIVE: True})
         frames: list[Any] = self.session.serialize(msg)
         frames.extend(msg.get("buffers") or [])
         self.socket.send_multipart(frames)  # sent at once, or queued on the loop: never blocks
@@ -161,6 +168,9 @@ class _LiveClient(NotebookClient):
         self._rule(self._place(cell_index))
         if self.status is not None and not self._top_asked:
             self._top_asked = True
+            shell = getattr(self.kc, "shell_channel", None)
+            if isinstance(shell, _ShellChannel):
+                shell.live = True
             await self._ask_top()
 
     async def _ask_top(self) -> None:
@@ -204,8 +214,9 @@ class _LiveClient(NotebookClient):
             self._saved_at = time.monotonic()
 
     def process_message(self, msg: dict, cell: nbformat.NotebookNode, cell_index: int) -> Any:
-        if self.status is not None and is_top(msg):  # the live status, not an output of the cell
-            self.status.update(msg["content"].get("data", {}).get("text/plain", ""), self.text.at_line_start)
+        if is_top(msg):  # a live view, never an output of the cell, nor saved with it
+            if self.status is not None:
+                self.status.update(msg["content"].get("data", {}).get("text/plain", ""), self.text.at_line_start)
             return None
         self._show(msg)
         out = super().process_message(msg, cell, cell_index)

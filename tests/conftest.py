@@ -13,14 +13,12 @@ Every test under ``tests/kernel`` and ``tests/cluster`` is marked ``slow`` by it
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(1, str(Path(__file__).parent / "cluster"))  # cluster_lab, one module for every lane
-
+# harness and cluster_lab (one module for every lane) are on sys.path through pyproject's pytest
+# ``pythonpath``: the lanes are imported in importlib mode, which adds no test directory itself
 from cluster_lab import hold_lab, release_lab
 from harness import cpu_hogs, group_kernel_for_module, kernel_for_module
 

@@ -28,9 +28,10 @@ import asyncio
 import functools
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dist_kernel.exceptions import RankDiedError
+from dist_kernel.parent.answers import CaptureAnswers
 from dist_kernel.parent.merge import label_lines, unmarked
 from dist_kernel.parent.merge.captures import sets_capture
 from dist_kernel.protocol import META_CELL, with_meta
@@ -207,3 +208,24 @@ class CommRouter:
                         if rank not in owners:
                             owners.append(rank)
         return {"status": "ok", "comms": comms}
+
+
+class CommRequests:
+    """The kernel's handlers of the frontend's comm messages, for
+    :class:`~dist_kernel.parent.kernel.DistributedKernel`: each goes to the ranks that own its
+    comm; an ``Output`` widget's new outputs are also an answer the running cell's reply may
+    wait for (:mod:`dist_kernel.parent.answers`)."""
+
+    comms: CommRouter
+    answers: CaptureAnswers
+    ranks: Ranks | None
+
+    async def comm_open(self, stream: Any, ident: Any, parent: dict) -> None:
+        self.comms.forward(self.ranks, parent)
+
+    async def comm_msg(self, stream: Any, ident: Any, parent: dict) -> None:
+        self.answers.answered(parent)
+        self.comms.forward(self.ranks, parent)
+
+    async def comm_close(self, stream: Any, ident: Any, parent: dict) -> None:
+        self.comms.forward(self.ranks, parent)

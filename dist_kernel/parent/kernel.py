@@ -24,7 +24,8 @@ from dist_kernel import __version__
 from dist_kernel.exceptions import ConfigError, RankSpecError, UsageError, error_content
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent import magics
-from dist_kernel.parent.comms import COMM_TYPES, CommRouter
+from dist_kernel.parent.answers import CaptureAnswers, reply_after_answers
+from dist_kernel.parent.comms import COMM_TYPES, CommRequests, CommRouter
 from dist_kernel.parent.debugger import DebugSession, debugpy_available
 from dist_kernel.parent.execution import CellRun, CellSpec, GroupState
 from dist_kernel.parent.group_magics import IdleRespawn
@@ -42,7 +43,7 @@ from dist_kernel.parent.stdin import RankInput
 from dist_kernel.parent.supervisor import RankSupervisor
 from dist_kernel.parent.sync_run import SyncRun
 from dist_kernel.parent.throttle import OutputBudget
-from dist_kernel.parent.top import TopMonitor
+from dist_kernel.parent.top import TopMonitor, watched
 from dist_kernel.protocol import META_CELL, META_COUNT, META_RANKS, META_SOURCE, with_meta
 
 Run = TypeVar("Run", bound=CellRun)
@@ -50,7 +51,7 @@ AT_BREAKPOINT = ("rank {rank} is stopped at a breakpoint (debugger): the other r
                  "in a collective. Continue in the debugger, or press stop to end the cell on every rank.")
 
 
-class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, OneRankRequests, Kernel):
+class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, OneRankRequests, CommRequests, Kernel):
     """Runs each cell on N ranks that form one torch.distributed process group."""
 
     implementation = "dist_kernel"
@@ -80,6 +81,7 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
         self._current: CellRun | None = None
         self.ranks: Ranks | None = None  # the ranks' seam (SupervisedRanks over a RankSupervisor)
         self.comms = CommRouter(self._publish, self._callback_run)
+        self.answers = CaptureAnswers()  # a cell's reply waits for nbclient's answers to captured output
         self.debug = DebugSession(self._publish, self._debug_stopped)  # JupyterLab's debugger, on one rank
         self.top = TopMonitor()  # %dist_top: each rank's load, live while cells run
         self._output_budget = OutputBudget()  # replaced in start(): spill files in the runtime dir
@@ -162,6 +164,7 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
         # re-signed with the parent's session (frontends ignore a foreign header.session)
         if self._held:  # without taking its lock: this runs for every output
             self._held.release()
+        self.answers.published(parent, msg_type, content)
         # _topic: private ipykernel API, written for ipykernel 7.4 (pyproject caps it below 8)
         self._session.send(self.iopub_socket, msg_type, content, parent=parent, ident=self._topic(msg_type),
                           metadata=metadata, buffers=buffers)
@@ -172,6 +175,7 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
             self._publish(parent, "error", err)
         return {"status": "error", "execution_count": self.execution_count, **err}
 
+    @reply_after_answers  # nbclient's answers to captured output first: one sent as the reply came hid it
     async def do_execute(self, code: str, silent: bool, store_history: bool = True,
                          user_expressions: dict | None = None, allow_stdin: bool = False,
                          *, cell_meta: dict | None = None, cell_id: str | None = None) -> dict:
@@ -223,7 +227,7 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
             self.comms.sent(msg_id, parent["header"]["msg_id"])
         self._held.release()
         self.top.start_cell(ranks, lambda: run.busy_ranks, self.debug.stopped_ranks,
-                            lambda t, c: self._publish(parent, t, c))
+                            lambda t, c: self._publish(parent, t, c), live=watched(parent))
         try:
             result = await run.finish()
         finally:
@@ -255,7 +259,7 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
         launched = self.dist_config if isinstance(self.dist_config, KernelConfig) else self.ranks.config
         return MagicContext(self.ranks, lambda t, c: self._publish(parent, t, c), launched, self.debug, self.top,
                             functools.partial(setattr, self, "output_policy"), functools.partial(self._copy, parent),
-                            self._respawning.starting, self.output_log.note)
+                            self._respawning.starting, self.output_log.note, live=watched(parent))
 
     async def _copy(self, parent: dict, names: list[str], src: int) -> str:
         """``%dist_sync`` as the current cell (:class:`SyncRun`): the stop button and deaths reach it."""
@@ -310,11 +314,6 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
         return await self._on_main(self.debug.request(self.ranks, self.get_parent("control")))
 
     # -------------------------------------------------------------- comms
-    async def comm_open(self, stream: Any, ident: Any, parent: dict) -> None:
-        self.comms.forward(self.ranks, parent)
-
-    comm_msg = comm_close = comm_open  # each goes to the ranks that own the comm
-
     async def comm_info_request(self, stream: Any, ident: Any, parent: dict) -> None:
         """The comms of every rank, merged."""
         reply = await self.comms.info(self.ranks, parent["content"])

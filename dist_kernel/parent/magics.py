@@ -67,6 +67,8 @@ class MagicContext:
     starting: Collection[int] = ()
     #: where the kernel's output log is (``%dist_status`` says)
     output_log: str = ""
+    #: a person watches this request run (``top.watched``): ``%dist_top``'s table is shown to it
+    live: bool = True
 
     def say(self, text: str) -> None:
         """A line of the magic's own on stdout."""

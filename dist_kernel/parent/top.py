@@ -11,6 +11,13 @@ Where each number comes from, so that nothing runs on the ranks' Python main thr
 - the GPU: NVML (:mod:`dist_kernel.load`), in the same two places.
 
 No cell running, no sampling. A cell shorter than :data:`INTERVAL` shows no table.
+
+A live view is not output: frontends save a display's last state into the notebook (nbclient,
+papermill and ``nbconvert --execute`` as they run it, JupyterLab when it is saved). So the table
+is shown only to a frontend where a person watches the cell run: one whose cells allow stdin
+(:func:`watched`), or ``python -m dist_kernel run`` on a terminal (``META_LIVE``; it draws the
+table as a status line and keeps it out of the notebook it saves). When the cell ends the display
+is emptied, so a notebook saved afterwards keeps no table.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 from dist_kernel.exceptions import UsageError
 from dist_kernel.load import LoadSampler, clean, gpu_target
 from dist_kernel.parent.top_table import TopRow, bundle, state_of
+from dist_kernel.protocol import META_LIVE, meta_of
 
 if TYPE_CHECKING:
     from dist_kernel.parent.ranks import Ranks
@@ -37,9 +45,21 @@ INTERVAL = 1.0
 SNAPSHOT_WINDOW = 0.25
 #: marks the display's content metadata, so ``python -m dist_kernel run`` can tell it apart
 META = {"dist_kernel": {"top": True}}
+#: ``%dist_top`` where no person watches the cells run (nbclient, papermill, nbconvert)
+NOT_SHOWN = ("dist_top: on, but not shown here: this frontend runs cells with no one to answer input() "
+             "(nbclient, papermill, nbconvert), and a live view is kept out of the notebook it saves. "
+             "`python -m dist_kernel run` shows it on a terminal.\n")
 
 #: publish an IOPub message in the running cell: (msg_type, content)
 Publish = Callable[[str, dict], None]
+
+
+def watched(request: dict) -> bool:
+    """Does a person watch this execute request run? Its cells allow stdin (JupyterLab, Notebook,
+    VS Code: no person, no ``input()``, as with nbclient), or its frontend says it shows the table
+    live (``META_LIVE``)."""
+    return bool(request.get("content", {}).get("allow_stdin")) or \
+        meta_of(request.get("metadata")).get(META_LIVE) is True
 
 
 def local_loads(ranks: Ranks, sampler: LoadSampler, which: list[int]) -> dict[int, dict]:
@@ -78,10 +98,11 @@ class TopMonitor:
 
     # ---------------------------------------------------------- live table
     def start_cell(self, ranks: Ranks, busy: Callable[[], list[int]], at_breakpoint: Callable[[], tuple[int, ...]],
-                   publish: Publish) -> None:
-        """A cell starts: while ``%dist_top`` is on, show and update its table until :meth:`end_cell`."""
+                   publish: Publish, live: bool = True) -> None:
+        """A cell starts: while ``%dist_top`` is on and a person watches (``live``, :func:`watched`),
+        show and update its table until :meth:`end_cell`."""
         self.end_cell()
-        if not self.on:
+        if not self.on or not live:
             return
         ranks.sample_remote(True)
         self._display_id = None
@@ -94,14 +115,15 @@ class TopMonitor:
 
         def end() -> None:
             ranks.sample_remote(False)
-            if self._display_id is not None:  # the cell is over: every rank is idle (or dead, stopped)
-                self._show(publish, self.rows(ranks, [], at_breakpoint(), {}))
+            if self._display_id is not None:  # the cell is over: the live view goes, and no saved notebook keeps it
+                publish("update_display_data", {"data": {}, "metadata": META,
+                                                 "transient": {"display_id": self._display_id}})
 
         self._end = end
         self._task = asyncio.ensure_future(loop())
 
     def end_cell(self) -> None:
-        """The cell ended: stop updating; the table's last update shows the ranks after it."""
+        """The cell ended: stop updating, and empty the table's display."""
         if self._task is not None:
             self._task.cancel()
             self._task = None
@@ -145,6 +167,8 @@ class TopCall(Protocol):
 
     @property
     def top(self) -> TopMonitor: ...
+    @property
+    def live(self) -> bool: ...  # a person watches this request run (:func:`watched`)
     def say(self, text: str) -> None: ...
 
 
@@ -155,7 +179,8 @@ async def dist_top(call: TopCall, arg: str) -> None:
         raise UsageError(f"%dist_top {arg.strip()!r}: use `%dist_top` to show each rank's load while cells run, "
                          "`%dist_top off` to stop.")
     call.top.on = word != "off"
-    call.say("dist_top: on (a table of each rank's load, updated while cells run)" if call.top.on else "dist_top: off")
+    call.say("dist_top: off" if not call.top.on
+             else "dist_top: on (a table of each rank's load, updated while cells run)" if call.live else NOT_SHOWN)
 
 
 async def status_loads(ranks: Ranks) -> dict[int, dict]:

@@ -35,7 +35,7 @@ SECONDS = {
     "test_lab_closed_page.py": 300, "test_jupyterlab.py": 90, "test_progress_bars.py": 50, "test_conformance.py": 45,
     "test_channel.py": 35,
     "test_debugger.py": 35, "test_shared_display_ids.py": 35, "test_notices_and_small.py": 25, "test_frontend.py": 25,
-    "test_open_file_limits.py": 25, "test_options_at_work.py": 25, "test_sync_copies.py": 60,
+    "test_open_file_limits.py": 25, "test_options_at_work.py": 25, "test_sync_copies.py": 60, "test_widgets.py": 90,
 }
 SHORT = 20  # any other file
 CLUSTER = HERE.parent / "cluster"

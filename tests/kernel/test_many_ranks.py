@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from harness import DistKernel, error_of
 
 from dist_kernel.testing.stub_node import JITTER_ENV
-from tests.harness import DistKernel, error_of
 
 NODES, PER_NODE = 4, 64
 RANKS = NODES * PER_NODE

@@ -4,11 +4,17 @@ rank, labelled; ipywidgets' ``Output`` captures once, as in the plain Python ker
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from pathlib import Path
 
 import nbformat
 import pytest
+import zmq
 from harness import kernel_for_module
+from jupyter_client import AsyncKernelClient, AsyncKernelManager
+from jupyter_client.channels import AsyncZMQSocketChannel
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
@@ -16,25 +22,15 @@ from dist_kernel.runner import kernel_manager
 
 VIEW = "application/vnd.jupyter.widget-view+json"
 
-#: nbclient's own test notebook for ipywidgets' Output (nbclient tests/files/Output.ipynb,
-#: BSD-3-Clause), cell by cell: captures, a swallowed error, clear_output inside and outside a
-#: capture, a display inside one, and nested captures
-OUTPUT_NOTEBOOK = [
-    "import ipywidgets as widgets\nfrom IPython.display import clear_output\n\noutput1 = widgets.Output()\noutput1",
-    'print("hi")\nwith output1:\n    print("in output")',
-    'with output1:\n    raise ValueError("trigger msg_type=error")',
-    "import ipywidgets as widgets\n\noutput2 = widgets.Output()\noutput2",
-    'print("hi2")\nwith output2:\n    print("in output2")\n    clear_output(wait=True)',
-    "import ipywidgets as widgets\n\noutput3 = widgets.Output()\noutput3",
-    'print("hi3")\nwith output3:\n    print("hello")\n    clear_output(wait=True)\n    print("world")',
-    "import ipywidgets as widgets\n\noutput4 = widgets.Output()\noutput4",
-    'print("hi4")\nwith output4:\n    print("hello world")\n    clear_output()',
-    "import ipywidgets as widgets\n\noutput5 = widgets.Output()\noutput5",
-    'print("hi5")\nwith output5:\n    display("hello world")  # this is not a stream but plain text\nclear_output()',
-    "import ipywidgets as widgets\n\noutput_outer = widgets.Output()\noutput_inner = widgets.Output()\noutput_inner",
-    "output_outer",
-    'with output_inner:\n    print("in inner")\n    with output_outer:\n        print("in outer")\n    print("also in inner")',
-]
+#: nbclient's own test notebook for ipywidgets' Output, unchanged (data/README.md says from where,
+#: under nbclient's BSD-3-Clause license): captures, a swallowed error, clear_output inside and
+#: outside a capture, a display inside one, and nested captures
+OUTPUT_IPYNB = Path(__file__).parent / "data" / "nbclient_Output.ipynb"
+OUTPUT_NOTEBOOK = [cell.source for cell in nbformat.read(OUTPUT_IPYNB, as_version=4).cells]
+#: runs of that notebook per rank count beside CPU hogs: before the fix one run in five hung
+RACE_RUNS = 20
+#: a run of its 14 short cells still going after this long hangs (runs took 1-10 s beside the hogs)
+RUN_BOUND = 120
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +89,61 @@ def test_nbclients_output_widget_notebook_at_2_ranks_reads_as_under_python3():
     distributed = _run(kernel_manager(["--ranks", "2"]))
     assert plain[1]["widget 0"][0] == ("stream", "stdout", "in output\n")  # the reference captured
     assert distributed == plain
+
+
+async def _run_stock_nbclient_many_times(ranks: str) -> tuple[list[tuple[list, dict]], str | None]:
+    """The Output notebook RACE_RUNS times on one kernel, through nbclient as it ships (its own
+    AsyncKernelClient, whose Output widget answers on the shell socket through Session.send),
+    without a cell timeout: at its timeout nbclient finds a missed reply and goes on, so a cell
+    timeout would turn this hang into a pause. A run still going after RUN_BOUND hangs: then what
+    hangs, and the runs saved before it."""
+    km = kernel_manager(["--ranks", ranks], cls=AsyncKernelManager)
+    km.client_factory = AsyncKernelClient  # as nbclient's own kernel manager has it (runner.py's is fixed)
+    await km.start_kernel()
+    saved = []
+    running: list[int] = []  # the index of each cell nbclient started
+    try:
+        for run in range(RACE_RUNS):
+            nb = nbformat.read(OUTPUT_IPYNB, as_version=4)
+            nb.metadata.kernelspec = {"name": "distributed-python", "display_name": "Distributed Python",
+                                      "language": "python"}  # nbclient's copy names no kernel
+            client = NotebookClient(nb, km=km, timeout=None, allow_errors=True,
+                                    on_cell_execute=lambda cell_index, **_: running.append(cell_index))
+            task = asyncio.ensure_future(client.async_execute())
+            done, _ = await asyncio.wait({task}, timeout=RUN_BOUND)
+            if not done:
+                hang = f"run {run + 1} of {RACE_RUNS} at {ranks} rank(s) hangs, " + _hang(client, running[-1])
+                task.cancel()  # nbclient turns the cancellation into DeadKernelError
+                with contextlib.suppress(BaseException):
+                    await task
+                return saved, hang
+            task.result()
+            assert type(client.kc.shell_channel) is AsyncZMQSocketChannel  # nbclient's own, not runner.py's
+            saved.append(_saved(nb))
+    finally:
+        await km.shutdown_kernel(now=True)
+    return saved, None
+
+
+def _hang(client: NotebookClient, cell: int) -> str:
+    """Which cell hangs, and whether its reply sits unread in nbclient's shell socket."""
+    shadow = zmq.Socket.shadow(client.kc.shell_channel.socket.underlying)
+    unread = bool(shadow.get(zmq.EVENTS) & zmq.POLLIN)
+    return (f"in cell {cell + 1} {client.nb.cells[cell].source.splitlines()[:2]}: " + ("its execute_reply came and sits unread: nbclient missed the socket's "
+            "wakeup (jupyter/nbclient#312)" if unread else "no execute_reply came"))
+
+
+@pytest.mark.timeout(2 * RACE_RUNS * RUN_BOUND)
+@pytest.mark.parametrize("ranks", ["1", "2"])
+def test_stock_nbclient_never_waits_on_a_reply_the_output_widget_hid_beside_cpu_hogs(ranks, busy_machine):
+    # nbclient answers each output an Output widget captures with a comm_msg on the shell socket,
+    # sent through a blocking shadow of the socket it awaits the execute_reply on: a reply that
+    # came just before that send lost its wakeup and the cell waited until nbclient's timeout
+    # (jupyter/nbclient#312). The kernel now sends the reply once nbclient has answered.
+    saved, hang = asyncio.run(_run_stock_nbclient_many_times(ranks))
+    assert hang is None, hang
+    assert saved[0][1]["widget 0"][0] == ("stream", "stdout", "in output\n")
+    assert all(s == saved[0] for s in saved), "a run's notebook differs from the first run's"
 
 
 def test_a_slider_every_rank_makes_is_one_slider_and_moving_it_changes_every_rank(kernel4):

@@ -109,3 +109,35 @@ class TestErrorsInline:
         m.finish(1)
         assert [c["ename"] for _, c in m.take()] == ["ValueError"]
 
+
+
+class TestErrorsAfterTheCell:
+    """One error output per cell, always (issue 36): a rank the cell gave up on (it did not stop
+    after the interrupt) can raise after the cell's error was merged and published."""
+
+    TB = ["\x1b[31mRuntimeError\x1b[0m: Connection closed by peer",
+          "\nDuring handling of the above exception, another exception occurred:\n", "KeyboardInterrupt: "]
+
+    def test_a_ranks_error_after_its_cell_ended_is_told_as_text_not_a_second_error(self):
+        m = CellMerger([0, 1], W)
+        m.finish(0.0)
+        out = m.late(0, "error", {"ename": "KeyboardInterrupt", "evalue": "", "traceback": self.TB}, labelled=True)
+        assert kinds(out) == ["stream"] and out[0][1]["name"] == "stderr"
+        text = out[0][1]["text"]
+        assert text.startswith("[rank 0] after its cell had ended, rank 0 raised:\n")
+        assert all(line.startswith("[rank 0] ") for line in text.splitlines())
+        assert "Connection closed by peer" in text and "KeyboardInterrupt" in text  # nothing of it lost
+        (one,) = m.late(0, "error", {"ename": "ValueError", "evalue": "x", "traceback": []}, labelled=False)
+        assert one == ("stream", {"name": "stderr", "text": "after its cell had ended, rank 0 raised:\nValueError: x\n"})
+
+    def test_the_relay_publishes_one_error_when_a_given_up_rank_raises_after_the_cell(self):
+        from dist_kernel.parent.relay import Outlet, OutputRelay
+
+        published: list[tuple[str, dict]] = []
+        relay = OutputRelay([0], Outlet(lambda t, c: published.append((t, c))), 1, W, world=[0, 1])
+        relay.end_rank(0, {"ename": "KeyboardInterrupt", "evalue": "rank 0 did not stop", "traceback": []})
+        error = relay.close()  # the cell's one error: the kernel publishes it
+        assert error is not None and "did not stop" in error["evalue"]
+        relay.on_iopub(0, {"header": {"msg_type": "error"}, "parent_header": {}, "metadata": {},
+                           "content": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": self.TB}})
+        assert kinds(published) == ["stream"], published

@@ -16,6 +16,7 @@ from inprocess import on_fake_ranks
 
 from dist_kernel.load import KEYS, LoadSampler, Nvml, clean, gpu_target
 from dist_kernel.parent import magics
+from dist_kernel.parent.top import NOT_SHOWN, watched
 from dist_kernel.parent.top_table import (
     NA,
     TopRow,
@@ -172,7 +173,7 @@ def _kernel_test(test, script):
 
 def _tables(messages: list[dict]) -> list[tuple[str, str, str]]:
     """(msg_type, display_id, text) of each %dist_top display message."""
-    return [(m["msg_type"], m["content"]["transient"]["display_id"], m["content"]["data"]["text/plain"])
+    return [(m["msg_type"], m["content"]["transient"]["display_id"], m["content"]["data"].get("text/plain", ""))
             for m in messages if m["msg_type"] in ("display_data", "update_display_data")
             and m["content"].get("metadata", {}).get("dist_kernel", {}).get("top")]
 
@@ -183,8 +184,9 @@ def _row(text: str, rank: int) -> str:
 
 def test_dist_top_updates_one_display_in_place_while_a_cell_runs_and_shows_who_waits_in_a_collective():
     async def test(fe, ranks):
-        assert "dist_top: on" in (await fe.execute("%dist_top")).stream()
-        msg = fe.execute_request("%%rank 0\ndist.all_reduce(t)")
+        # as JupyterLab sends cells: someone is there to answer input(), and to watch the table
+        assert (await fe.execute("%dist_top", allow_stdin=True)).stream().startswith("dist_top: on (a table")
+        msg = fe.execute_request("%%rank 0\ndist.all_reduce(t)", allow_stdin=True)
         task = asyncio.ensure_future(fe.send_shell(msg))
         await ranks.running(1)
         for _ in range(200):  # three updates (every 0.05 s), however loaded the machine
@@ -202,13 +204,15 @@ def test_dist_top_updates_one_display_in_place_while_a_cell_runs_and_shows_who_w
         cell = fe.collect(msg)
         assert cell.status == "error"
         final = _tables(cell.messages)
-        assert final[-1][0] == "update_display_data" and "idle" in _row(final[-1][2], 0)
+        # the cell is over: the display is emptied, so a notebook saved now keeps no table
+        assert final[-1][0] == "update_display_data" and final[-1][2] == "" and final[-2][2]
+        assert [m["content"]["data"] for m in cell.messages if m["msg_type"] == "update_display_data"][-1] == {}
         assert ranks.sampling == [True, False]
         # nothing while no cell runs; a short cell shows no table
         await asyncio.sleep(0.2)
         assert not _tables(fe.published(msg)[len(cell.messages):])
         assert (await fe.execute("%dist_top off")).stream() == "dist_top: off\n"
-        msg = fe.execute_request("x = 1")
+        msg = fe.execute_request("x = 1", allow_stdin=True)
         task = asyncio.ensure_future(fe.send_shell(msg))
         await ranks.running(2)
         await asyncio.sleep(0.3)
@@ -224,6 +228,38 @@ def test_dist_top_updates_one_display_in_place_while_a_cell_runs_and_shows_who_w
         return Act(runs=True) if code.startswith("x = 1") else Act()
 
     _kernel_test(test, script)
+
+
+def test_the_table_is_only_for_a_frontend_a_person_watches():
+    assert watched({"content": {"allow_stdin": True}})  # JupyterLab, Notebook, VS Code
+    assert not watched({"content": {"allow_stdin": False}, "metadata": {}})  # nbclient, papermill
+    assert watched({"content": {"allow_stdin": False}, "metadata": {"dist_kernel": {"live": True}}})  # run, a tty
+    assert not watched({"content": {}, "metadata": {"dist_kernel": {"live": "yes"}}})
+
+
+def test_no_table_is_sent_to_a_frontend_that_runs_cells_unwatched_but_one_to_the_runner_on_a_terminal():
+    async def test(fe, ranks):
+        on = await fe.execute("%dist_top")  # nbclient's way: allow_stdin off
+        assert on.stream() == NOT_SHOWN
+        cells = {}
+        for name, extra in (("nbclient", {}), ("run", {"metadata": {"dist_kernel": {"live": True}}})):
+            msg = fe.execute_request("x = 1")
+            msg.update(extra)
+            task = asyncio.ensure_future(fe.send_shell(msg))
+            await ranks.running(2)
+            for _ in range(100):  # a few intervals (0.05 s) for a table to come, if one will
+                await asyncio.sleep(0.05)
+                if len(_tables(fe.published(msg))) >= 2 or (name == "nbclient" and _ > 10):
+                    break
+            await fe.send_control(fe.request("interrupt_request", {}))
+            await task
+            cells[name] = fe.collect(msg)
+        assert not _tables(cells["nbclient"].messages)
+        assert ranks.sampling == [True, False]  # sampled for the runner's cell only
+        shown = _tables(cells["run"].messages)
+        assert shown[0][0] == "display_data" and "running" in _row(shown[0][2], 0) and shown[-1][2] == ""
+
+    _kernel_test(test, lambda rank, code: Act(runs=True) if code.startswith("x = 1") else Act())
 
 
 def test_dist_status_has_the_load_columns():

@@ -32,6 +32,14 @@ _CR_LABEL = re.compile(r"\r(?!\n|$)")
 _NL_LABEL = re.compile(r"\n(?!$)")
 
 
+def late_error_text(content: dict, rank: int, labelled: bool) -> str:
+    """A rank's ``error`` output that came after its cell ended, as stderr text (labelled with the
+    rank when ``labelled``)."""
+    lines = list(content.get("traceback") or []) or [f"{content.get('ename', 'Error')}: {content.get('evalue', '')}"]
+    text = f"after its cell had ended, rank {rank} raised:\n" + "\n".join(lines) + "\n"
+    return label_lines(text, [rank]) if labelled else text
+
+
 class DisplayRegistry:
     """For each display id the ranks used: the newest content each rank gave it.
 
@@ -128,8 +136,10 @@ class Renderer:
             self._emit_display(Item(msg_type, None, content, 0.0, display_id=display_id), [rank])
         elif msg_type in RICH_TYPES and labelled:
             self._out.append((msg_type, labelled_rich(content, [rank])))
-        elif msg_type == "error" and labelled:
-            self._out.append((msg_type, labelled_error(content, [rank])))
+        elif msg_type == "error":
+            # the cell's one error was merged when the cell ended: a rank it gave up on that raises
+            # at last (a cell that catches the interrupt) is told as text, never a second error output
+            self._out.append(("stream", {"name": "stderr", "text": late_error_text(content, rank, labelled)}))
         else:
             self._out.append((msg_type, content))
 
