@@ -109,7 +109,7 @@ _shared_ids = itertools.count()
 def shared_header(msg_type: str) -> tuple[str, bytes]:
     """A request's header, packed once for every rank it goes to (a cell: :meth:`RankChannel.send`
     with ``header``): its msg_id is the same on each rank, which answers on channels of its own.
-    Its node's agent then fans out one header, and groups the ranks' replies by it (tunnel.py)."""
+    Its node's agent then fans out one header, and groups the ranks' replies by it (:mod:`dist_kernel.tunnel`)."""
     msg_id = f"{_SHARED_SESSION}_{next(_shared_ids)}"
     return msg_id, json.dumps(_header(msg_id, msg_type, os.environ.get("USER", "username"), _SHARED_SESSION)).encode()
 
@@ -180,7 +180,7 @@ class Wire(Protocol):
         """From now on, hand every incoming message (its channel's name, its frames) to
         ``deliver``, on the running event loop; a message that its node agent checked already
         and sends decoded (an IOPub message in a joined ``out`` frame, a cell's reply in a ``sum``
-        of its node's replies: tunnel.py) to ``checked``."""
+        of its node's replies: dist_kernel.tunnel) to ``checked``."""
 
     def send(self, channel: str, header: bytes, shared: list[bytes], sign: Callable[[list[bytes]], bytes]) -> None:
         """One message to the rank on ``channel`` (shell, control or stdin): its packed header,

@@ -16,6 +16,7 @@ from dist_kernel.parent.channels import RankChannel, Routes
 from dist_kernel.parent.launch.outbox import Outbox
 from dist_kernel.parent.launch.remote_rank import RemoteWire
 from dist_kernel.parent.ranks import RECENT, SupervisedRanks
+from dist_kernel.tunnel.turns import Signer
 
 
 def test_a_cells_rank_list_is_read_only_when_well_formed() -> None:
@@ -31,7 +32,7 @@ def test_a_fan_message_reads_back_and_each_rank_gets_its_own_signature() -> None
     assert frames[0] == tunnel.FAN
     channel, headers, got = tunnel.unfan(frames[1:])
     assert (channel, headers, got) == (b"shell", [(0, b'{"msg_id": "a"}'), (1, b'{"msg_id": "b"}')], shared)
-    signer = tunnel.Signer(keys)
+    signer = Signer(keys)
     for rank, header in headers:
         msg = signer.message(rank, header, got)
         assert msg[0] == tunnel.DELIM and msg[2:] == [header, *shared]
