@@ -5,7 +5,7 @@ The supervisor sees only this interface. A :class:`GangLauncher` starts the rank
 starting at once), signals them, stops them, and says what an outsider needs to end them
 (:meth:`~GangLauncher.state`). Each rank is a :class:`RankHandle` whose methods carry
 jupyter_client's provisioner names (``poll``, ``send_signal``, ``kill``, ``terminate``), and
-a :class:`~dist_kernel.parent.channels.Wire` the rank's channel talks over.
+a :class:`~dist_kernel.parent.wire.Wire` the rank's channel talks over.
 
 The implementations: :class:`~dist_kernel.parent.launch.local.LocalLauncher` (this machine) and
 :class:`~dist_kernel.parent.launch.remote.RemoteLauncher` (other machines, through node agents
@@ -21,8 +21,8 @@ from typing import Protocol
 
 from dist_kernel.exceptions import ConfigError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.channels import Wire
 from dist_kernel.parent.fault_policy import RemoteCause
+from dist_kernel.parent.wire import Wire
 
 
 class RankHandle(Protocol):

@@ -25,8 +25,8 @@ import zmq.auth.thread
 from dist_kernel import protocol, tunnel
 from dist_kernel.exceptions import RankStartError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.channels import pending, zmq_fd
 from dist_kernel.parent.launch.outbox import Outbox
+from dist_kernel.parent.wire import pending, zmq_fd
 from dist_kernel.tunnel.link import tune_link
 from dist_kernel.tunnel.turns import unpack_out, unpack_replies
 
