@@ -78,9 +78,9 @@ class GangLauncher(abc.ABC):
     #: whether :attr:`on_change` hears every change; if not, the supervisor polls every rank
     watches = False
 
-    #: given a node agent's summary: the ranks that sent one same reply message, at once. The
-    #: ranks' seam (``SupervisedRanks``) takes it whole for a cell's run and says True; False
-    #: hands the message to each rank's channel instead (issue 26)
+    #: given a node agent's summary: the ranks that sent one same reply message, at once. Set by
+    #: the supervisor to its hook (``RankSupervisor.grouped_reply``): a cell's run takes it whole
+    #: and says True; False hands the message to each rank's channel instead (issue 26)
     on_replies: Callable[[list[int], dict], bool] = staticmethod(lambda ranks, msg: False)
     #: likewise, the ranks that sent one same IOPub message (``print(1)`` on every rank)
     on_outputs: Callable[[list[int], dict], bool] = staticmethod(lambda ranks, msg: False)
