@@ -166,6 +166,7 @@ def user_frames(frame: FrameType) -> tuple[list[str], str]:
     """The user's frames from the outermost in (formatted as a traceback shows them), and the
     innermost cell line (``line 3: dist.all_reduce(t)``; "" when no cell is on the stack)."""
     summary = [fs for fs in traceback.extract_stack(frame) if _user_frame(fs.filename)]
-    shown = [f'  File "{_shown_file(fs.filename)}", line {fs.lineno}, in {fs.name}\n    {fs.line or ""}' for fs in summary]
+    shown = [f'  File "{_shown_file(fs.filename)}", line {fs.lineno}, in {fs.name}\n    {fs.line or ""}'
+             for fs in summary]
     cell = [fs for fs in summary if _shown_file(fs.filename) == "cell"]
     return shown, (f"line {cell[-1].lineno}: {cell[-1].line}" if cell else "")
