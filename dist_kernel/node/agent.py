@@ -2,7 +2,7 @@
 
     python -m dist_kernel.node --parent tcp://ADDR:PORT [--node-rank I]
 
-It reads its keys as one JSON line on stdin (:class:`dist_kernel.tunnel.Bootstrap`), checks
+It reads its keys as one JSON line on stdin (:class:`dist_kernel.tunnel.keys.Bootstrap`), checks
 that it can reach the parent, connects out to it (CurveZMQ), says hello, and once the parent
 says ``start`` launches this node's ranks as ipykernels on IPC sockets in a private
 directory, exactly as the parent does on one machine. From then on it relays each rank's
@@ -40,6 +40,9 @@ from dist_kernel import tunnel
 from dist_kernel.load import LoadSampler, gpu_target
 from dist_kernel.placement import rank_env, rank_of
 from dist_kernel.processes import file_tail, proc_state
+from dist_kernel.tunnel.keys import MUNGE_PREFIX, Bootstrap, munge_unwrap
+from dist_kernel.tunnel.link import LinkWatch, agent_socket, interface_of, parse_endpoint, reach, route_address
+from dist_kernel.tunnel.turns import Signer, Turn
 
 #: how long the agent tries to reach the parent before it reports the address as unreachable
 REACH_TIMEOUT = 10.0
@@ -93,7 +96,7 @@ class RankChild:
 class NodeAgent:
     """Runs this node's ranks and relays them to the parent."""
 
-    def __init__(self, parent: str, node: int, boot: tunnel.Bootstrap) -> None:
+    def __init__(self, parent: str, node: int, boot: Bootstrap) -> None:
         self.parent = parent
         self.node = node
         self.boot = boot
@@ -102,7 +105,7 @@ class NodeAgent:
         self.ranks: dict[int, RankChild] = {}
         self.runtime_dir = tempfile.mkdtemp(prefix=f"dk-node{node}-")  # mode 0700
         self.stdin_closed = threading.Event()
-        self.link: tunnel.LinkWatch | None = None  # the parent's connection, once connect() made it
+        self.link: LinkWatch | None = None  # the parent's connection, once connect() made it
         self.ending = ""
         #: the parent's beats ask for the ranks' load while a cell runs with %dist_top on; only then
         #: is anything sampled (psutil and NVML from here, never inside the ranks)
@@ -110,26 +113,26 @@ class NodeAgent:
         self.sampler: LoadSampler | None = None
         self.master: tuple[str, int | None] = ("", None)  # the ranks' MASTER_ADDR and MASTER_PORT
         self.retired: list[zmq.Socket] = []  # sockets of ranks started anew, closed by the loop
-        self.signer = tunnel.Signer(boot.rank_keys)  # the parent's fan messages, signed per rank
-        self.turn = tunnel.Turn(self.signer)  # what the ranks say in a turn: checked, joined, summarised
+        self.signer = Signer(boot.rank_keys)  # the parent's fan messages, signed per rank
+        self.turn = Turn(self.signer)  # what the ranks say in a turn: checked, joined, summarised
         self.beat_sampled = False  # the last beat carried loads: the next tells every rank without
 
     # ---------------------------------------------------------------- start
     def connect(self) -> None:
-        host, port = tunnel.parse_endpoint(self.parent)
+        host, port = parse_endpoint(self.parent)
         try:
-            self.address = tunnel.route_address(host, port)
+            self.address = route_address(host, port)
         except OSError as e:
             fail(f"node {self.node} has no route to the parent at {host}:{port} ({e.strerror or e}). "
                  "Fix: start the kernel with --listen set to an address of the parent's machine that the nodes can reach.")
-        error = tunnel.reach(host, port, REACH_TIMEOUT)
+        error = reach(host, port, REACH_TIMEOUT)
         if error is not None:
             fail(f"node {self.node} cannot reach the parent at {host}:{port} ({error}). Fix: --listen must be "
                  "an address of the parent's machine that the nodes can reach (not loopback), and a firewall "
                  "must let the nodes connect to --port-range.")
-        self.ifname = tunnel.interface_of(self.address)
-        sock = tunnel.agent_socket(self.ctx, self.boot, self.node)
-        self.link = tunnel.LinkWatch(sock)
+        self.ifname = interface_of(self.address)
+        sock = agent_socket(self.ctx, self.boot, self.node)
+        self.link = LinkWatch(sock)
         sock.connect(self.parent)
         self.sock = sock
         hello = {"type": "hello", "node": self.node, "host": self.host, "address": self.address,
@@ -337,7 +340,7 @@ class NodeAgent:
             self.ctx.destroy(linger=0)
 
 
-def read_bootstrap(munge: bool, socket_path: str | None, fd: int = 0) -> tunnel.Bootstrap:
+def read_bootstrap(munge: bool, socket_path: str | None, fd: int = 0) -> Bootstrap:
     """The keys from stdin: one JSON line (ssh), or MUNGE credential lines (Slurm), of which the
     first that decodes on this node wins: one may have expired in the queue, or (several nodes
     sharing one munged) been decoded by another node already."""
@@ -350,11 +353,11 @@ def read_bootstrap(munge: bool, socket_path: str | None, fd: int = 0) -> tunnel.
                  + ". Fix: the keys come from the parent's launcher; with Slurm, munged must run on every "
                  "node with the cluster's key", 2)
         if not munge:
-            return tunnel.Bootstrap.decode(line)
-        if not line.startswith(tunnel.MUNGE_PREFIX):
+            return Bootstrap.decode(line)
+        if not line.startswith(MUNGE_PREFIX):
             fail("refused a key line that is not MUNGE-wrapped (this stdin crosses the network in clear)", 2)
         try:
-            return tunnel.Bootstrap.decode(tunnel.munge_unwrap(line, socket_path))
+            return Bootstrap.decode(munge_unwrap(line, socket_path))
         except tunnel.TunnelError as e:
             errors.append(str(e))
 

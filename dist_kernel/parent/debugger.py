@@ -190,7 +190,7 @@ class DebugSession:
 
     async def _forward(self, ranks: Ranks, rank: int, content: dict) -> dict:
         try:
-            return await ranks.control_request(rank, "debug_request", content, timeout=DEBUG_TIMEOUT)
+            return await ranks.shell_request(rank, "debug_request", content, timeout=DEBUG_TIMEOUT, channel="control")
         except asyncio.TimeoutError:
             return error_response(content, f"rank {rank}'s debugger did not answer "
                                   f"{content.get('command')!r} in {DEBUG_TIMEOUT:g} s")

@@ -40,7 +40,6 @@ from dist_kernel.parent.replies import AbortsAfterError, always_reply
 from dist_kernel.parent.selection import plan_cell
 from dist_kernel.parent.startup import StartWait, dead_in, unusable
 from dist_kernel.parent.stdin import RankInput
-from dist_kernel.parent.supervisor import RankSupervisor
 from dist_kernel.parent.sync_run import SyncRun
 from dist_kernel.parent.throttle import OutputBudget
 from dist_kernel.parent.top import TopMonitor, watched
@@ -79,7 +78,7 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
         self.extra_argv: list[str] = []  # kernel arguments from the frontend, passed to every rank
         self._main_loop: asyncio.AbstractEventLoop | None = None
         self._current: CellRun | None = None
-        self.ranks: Ranks | None = None  # the ranks' seam (SupervisedRanks over a RankSupervisor)
+        self.ranks: Ranks | None = None  # the ranks' seam (SupervisedRanks: a RankSupervisor's)
         self.comms = CommRouter(self._publish, self._callback_run)
         self.answers = CaptureAnswers()  # a cell's reply waits for nbclient's answers to captured output
         self.debug = DebugSession(self._publish, self._debug_stopped)  # JupyterLab's debugger, on one rank
@@ -122,11 +121,10 @@ class DistributedKernel(HoldsBusy, OutputLogging, RankInput, AbortsAfterError, O
         self._main_loop = asyncio.get_event_loop()
         cfg = self.dist_config
         if isinstance(cfg, KernelConfig):
-            sup = RankSupervisor(cfg, self.debug.routing(self.comms.on_unrouted), self.on_rank_death, log=self.log,
-                                 on_stdin=self.on_rank_stdin, on_stopped=self.on_rank_stopped,
-                                 extra_argv=self.extra_argv, on_note=self._starting.note)
-            atexit.register(_last_cleanup, sup)
-            ranks = SupervisedRanks(sup)
+            ranks = SupervisedRanks(cfg, self.debug.routing(self.comms.on_unrouted), self.on_rank_death, log=self.log,
+                                    on_stdin=self.on_rank_stdin, on_stopped=self.on_rank_stopped,
+                                    extra_argv=self.extra_argv, on_note=self._starting.note)
+            atexit.register(_last_cleanup, ranks)
             self.attach(ranks)
             self.io_loop.add_callback(ranks.start)
 
@@ -395,6 +393,6 @@ def ignore_sigterm() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _last_cleanup(sup: RankSupervisor) -> None:
+def _last_cleanup(ranks: Ranks) -> None:
     ignore_sigterm()
-    sup.cleanup_sync()
+    ranks.cleanup_sync()

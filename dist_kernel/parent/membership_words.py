@@ -144,6 +144,29 @@ def start_fix(reason: str, crashed: bool, respawn: bool, python: str = "this Pyt
     return f"{_capital(again)}; on a slow or busy machine raise --startup-timeout."
 
 
+def join_failed(rank: int, backend: str, error: str, python: str) -> str:
+    """A rank whose join the rank refused (``error``): torch missing, or options that do not suit
+    the machine."""
+    if "No module named 'torch'" in error or ("torch" in error and "ImportError" in error):
+        fix = f"Fix: make sure `import torch` works in {python}, then restart the kernel."
+    else:
+        fix = "Fix: check the kernel's options (--gpus, --backend) suit this machine, then restart the kernel."
+    return f"rank {rank} could not join the {backend} process group:\n{error}\n{fix}"
+
+
+def rank_states(states: dict[int, tuple[str, str]]) -> str:
+    """The ranks' states when a start timed out, from {rank: (where its process is, its state)},
+    each followed by ". " ("" without ranks); past 8 ranks grouped by state, one line however many."""
+    if len(states) > 8:
+        by_state: dict[str, list[int]] = {}
+        for rank, (_, state) in states.items():
+            by_state.setdefault(state, []).append(rank)
+        groups = sorted(by_state.items(), key=lambda kv: min(kv[1]))
+        return "; ".join(f"rank {format_ranks(ranks)} {state}" for state, ranks in groups) + ". "
+    each = [f"rank {rank} ({where}) {state}" for rank, (where, state) in states.items()]
+    return ("; ".join(each) + ". ") if each else ""
+
+
 def formation_failed(error: str, started: Collection[int], retry: str) -> str:
     """A respawn or resize (``retry``: the magic, to run again) that failed to start its ranks or
     to form the group: why, that nothing is left half-started or waiting in the formation, and

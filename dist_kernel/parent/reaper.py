@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -34,8 +35,10 @@ from dist_kernel.cleanup import (
     LaunchRecord,
     end_processes,
     kill_kernel_processes,
+    make_runtime_dir,
     read_launch,
     read_pids,
+    sweep,
 )
 
 
@@ -55,6 +58,34 @@ def launch_ender() -> EndLaunch:
     except Exception:  # noqa: BLE001 - the last one left to clean ends the starter's processes at least
         return lambda record: (end_processes(record.pids), [])
     return end_launch
+
+
+class RuntimeDir:
+    """A kernel's private runtime directory, guarded by its reaper: made after a sweep of what
+    kernels that exited left behind (their reapers killed too), owner-only (0700), named after
+    the kernel's pid so that a later sweep can judge it, short enough for the IPC socket paths
+    even under a long TMPDIR. The reaper (this module, as a process of its own) ends what the
+    kernel left if the kernel is SIGKILLed; :meth:`end` does it at a normal end."""
+
+    def __init__(self) -> None:
+        sweep(end_launch=launch_ender())
+        self.path = make_runtime_dir()
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-m", "dist_kernel.parent.reaper", str(os.getpid()), self.path],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+
+    def end(self, rank_pids: list[int]) -> None:
+        """End every process of the kernel (the ranks' sessions and groups, what left them), then
+        remove the directory; the reaper sees it gone within 0.1 s and exits, and is collected
+        here (no zombie)."""
+        kill_kernel_processes(self.path, rank_pids)
+        shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            self._reaper.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self._reaper.kill()
+            self._reaper.wait()
 
 
 def reap(runtime_dir: str, rank_pids: list[int] | None = None, launch: LaunchRecord | None = None,

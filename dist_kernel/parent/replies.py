@@ -18,7 +18,7 @@ import zmq
 from ipykernel.kernelbase import Kernel
 from zmq.eventloop.zmqstream import ZMQStream
 
-from dist_kernel.parent.channels import pending
+from dist_kernel.parent.wire import pending
 
 #: ipykernel's handler signature, with the stream's socket: (socket, ident, request) -> None
 Handler = Callable[[Any, Any, dict], Any]

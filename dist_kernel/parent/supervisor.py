@@ -5,6 +5,12 @@ A rank is a :class:`~dist_kernel.parent.launch.base.RankHandle` that a
 machine or another) and a :class:`~dist_kernel.parent.channels.RankChannel` (how the parent
 talks to it). The supervisor never asks which launcher it has. Formation and every other
 rank-side action are typed requests of :mod:`dist_kernel.protocol`.
+
+What the Jupyter side asks of the ranks (cells and their routes, where, status, options) is
+:class:`~dist_kernel.parent.ranks.SupervisedRanks`, built on this class. A node's grouped replies
+and outputs reach it through the supervisor's own hooks (:meth:`RankSupervisor.grouped_reply`,
+:meth:`~RankSupervisor.grouped_output`), which the supervisor hands its launcher.
+
 Everything here runs on the parent's main event loop; other threads cross over with
 ``asyncio.run_coroutine_threadsafe``.
 """
@@ -15,27 +21,22 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import random
-import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from dist_kernel import protocol
-from dist_kernel.cleanup import kill_kernel_processes, make_runtime_dir, sweep
 from dist_kernel.exceptions import ConfigError, RankDiedError, RankRequestError, RankStartError
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent import limits
 from dist_kernel.parent import membership_words as words
 from dist_kernel.parent.channels import RankChannel, Routes
-from dist_kernel.parent.fault_policy import RemoteCause, remote_culprit, settle_for
+from dist_kernel.parent.fault_policy import RemoteCause
+from dist_kernel.parent.gang_fault import GangFault
 from dist_kernel.parent.launch import RankHandle, make_gang_launcher
-from dist_kernel.parent.launch.node_starters import end_launch
-from dist_kernel.parent.selection import format_ranks
+from dist_kernel.parent.reaper import RuntimeDir
 from dist_kernel.processes import state_words
 
 LOG_TAIL_LINES = 30
@@ -83,7 +84,8 @@ class Rank:
 
 
 class RankSupervisor:
-    """Owns the rank processes of one kernel."""
+    """Owns the rank processes of one kernel: starts them (in waves), forms and breaks their group,
+    watches them (exit, SIGSTOP, a fault that takes every rank) and ends them."""
 
     def __init__(self, config: KernelConfig, on_unrouted: Callable[[int, dict], None],
                  on_death: Callable[[int, str], None], log: logging.Logger | None = None,
@@ -100,16 +102,15 @@ class RankSupervisor:
         self.on_death = on_death
         self.on_stopped = on_stopped or (lambda rank, state: None)
         self.log = log or logging.getLogger("dist_kernel")
-        # end what kernels that exited left behind (their reapers killed too), then make a
-        # private dir (0700) whose name (our pid) lets a later sweep judge it; short enough
-        # for the IPC socket paths even under a long TMPDIR
-        sweep(end_launch=end_launch)
-        self.runtime_dir = make_runtime_dir()
+        self._dir = RuntimeDir()  # swept first; its reaper cleans up if this process is SIGKILLed
+        self.runtime_dir = self._dir.path
         # where the ranks run (--launcher): this machine, or nodes a node starter starts
         self.launcher = make_gang_launcher(config, self.runtime_dir, list(extra_argv or []), self.log,
                                            on_note or (lambda text: None))
         self.launcher.on_fault = self._on_fault
         self.launcher.on_change = self._changed
+        self.launcher.on_replies = self.grouped_reply
+        self.launcher.on_outputs = self.grouped_output
         self.ranks: dict[int, Rank] = {}
         self.generation = 0
         # one seed for all ranks of this start (a fresh one per restart, unless --seed)
@@ -119,18 +120,25 @@ class RankSupervisor:
         self.closing = False
         self._watch_task: asyncio.Task | None = None
         # faults on other machines, heard for a moment before one is named (fault_policy rule 6)
-        self._causes: list[RemoteCause] = []
+        self.fault = GangFault(self._hold_replies, self._report_fault)
         # ranks seen stopped: looked at on every turn of _watch until they run again, so a
         # continue is noticed even if its event was lost (a handful of ranks, never all)
-        self.stopped: set[int] = set()
-        self._fault_reported = False
+        self.seen_stopped: set[int] = set()
         #: when each rank died (monotonic), for --respawn's "keeps dying" rule
         self.deaths: dict[int, list[float]] = {}
-        # cleans up if this process is SIGKILLed (see reaper.py); exits when the dir is gone
-        self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "dist_kernel.parent.reaper", str(os.getpid()), self.runtime_dir],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True)
+
+    # ------------------------------------------------------------- hooks
+    def grouped_reply(self, ranks: list[int], msg: dict) -> bool:
+        """A reply that several of a node's ranks sent alike, as their node agent summarised it
+        (the launcher's ``on_replies``): True once it is taken whole, for its cell's run. Here
+        nothing takes it, so each rank's channel gets it; :class:`~dist_kernel.parent.ranks.SupervisedRanks`,
+        which sends the cells, takes its cells' replies."""
+        return False
+
+    def grouped_output(self, ranks: list[int], msg: dict) -> bool:
+        """Likewise an IOPub message that several of a node's ranks sent alike (``print(1)`` on
+        every rank: the launcher's ``on_outputs``)."""
+        return False
 
     # ------------------------------------------------------------- startup
     async def start(self) -> None:
@@ -226,31 +234,20 @@ class RankSupervisor:
         r = self.ranks[rank]
         assert r.channel is not None
         req = protocol.Join(rank=rank, world_size=cfg.world_size, local_rank=cfg.local_rank_of(rank),
-                            backend=cfg.backend, store=self._store(),
+                            backend=cfg.backend, store=self.launcher.store(self.generation),
                             timeout=cfg.timeout, use_cuda=cfg.uses_cuda, first=first,
                             seed=self.seed if first else None, switches=self.switches_at_start,
                             local_world_size=cfg.ranks_per_node)
         try:
             reply = await r.channel.request(req, timeout=cfg.startup_timeout)
         except RankRequestError as e:
-            text = str(e)
-            if "No module named 'torch'" in text or ("torch" in text and "ImportError" in text):
-                fix = (f"Fix: make sure `import torch` works in {sys.executable}, then restart the kernel.")
-            else:
-                fix = "Fix: check the kernel's options (--gpus, --backend) suit this machine, then restart the kernel."
-            raise RankStartError(f"rank {rank} could not join the {cfg.backend} process group:\n"
-                                 f"{text}\n{fix}") from None
+            raise RankStartError(words.join_failed(rank, cfg.backend, str(e), sys.executable)) from None
         except RankDiedError:
             raise RankStartError(f"rank {rank} ({r.where}) {r.exit_reason or 'died'} while joining the "
                                  f"process group.\n{r.log_tail()}\n{self._start_fix(r)}") from None
         except asyncio.TimeoutError:  # no empty message: which rank, how long, what to do
             raise RankStartError(words.not_joined(rank, cfg.startup_timeout, self.ready.is_set())) from None
         r.device = reply.device
-
-    def _store(self) -> str:
-        """Where this formation meets: a file in the private runtime dir on one machine; rank 0's
-        TCPStore on its node's cluster address across machines (a prefix per formation)."""
-        return self.launcher.store(self.generation)
 
     # ------------------------------------------------------------ requests
     def channel(self, rank: int) -> RankChannel:
@@ -266,11 +263,6 @@ class RankSupervisor:
         except (asyncio.TimeoutError, RankDiedError, RankRequestError, protocol.ProtocolError) as e:
             self.log.warning("rank %d: %s: %s", rank, req.op, e or "no answer")
             return None
-
-    async def where(self, rank: int) -> protocol.Place | None:
-        """Where a rank's cell is; None when it does not answer (stopped, stuck holding the GIL)."""
-        reply = await self.ask(rank, protocol.Where())
-        return reply if isinstance(reply, protocol.Place) else None
 
     async def teardown(self, ranks: list[int] | tuple[int, ...]) -> list[int]:
         """Break the group on these ranks, so that collectives blocked on it raise; the ranks
@@ -288,41 +280,6 @@ class RankSupervisor:
         replies = await asyncio.gather(*(self.ask(r, teardown(r), timeout=5.0) for r in asked))
         return [r for r, reply in zip(asked, replies, strict=True) if reply is None]
 
-    async def set_option(self, name: str, on: bool) -> list[int]:
-        """Switch a rank-side option on every live rank, and on those started later (it is the kernel's
-        option now: :func:`~dist_kernel.parent.formation.form_group`); the ranks that did not confirm."""
-        self.config = self.config.with_switch(name, on)
-        replies = await asyncio.gather(*(self.ask(r, protocol.SetOption(name=name, on=on))
-                                         for r in self.live_ranks()))
-        return [r for r, reply in zip(self.live_ranks(), replies, strict=True) if reply is None]
-
-    async def status(self) -> dict[int, dict]:
-        """Each rank's status row; answered from the rank's control thread even while it is busy."""
-
-        async def one(rank: int) -> dict:
-            r = self.ranks[rank]
-            base = {"pid": r.pid, "device": r.device, **({"host": r.host} if r.host else {})}
-            if not r.alive:
-                return {**base, "state": r.exit_reason}
-            if r.stopped:
-                return {**base, "state": r.stopped}
-            reply = await self.ask(rank, protocol.Status())
-            if not isinstance(reply, protocol.RankStatus):
-                return {**base, "state": f"not answering ({state_words(r.process.os_state())})"}
-            row = {k: v for k, v in vars(reply).items() if k not in ("busy", "line")}
-            row["state"] = f"busy: {reply.line}" if reply.busy and reply.line else ("busy" if reply.busy else "idle")
-            return row
-
-        results = await asyncio.gather(*(one(r) for r in self.ranks))
-        return dict(zip(self.ranks, results, strict=True))
-
-    def live_ranks(self) -> list[int]:
-        return [r for r, rk in self.ranks.items() if rk.alive]
-
-    def reply_input(self, rank: int, value: str) -> None:
-        with contextlib.suppress(RankDiedError):
-            self.channel(rank).input(value)
-
     # ------------------------------------------------------------ liveness
     async def _watch(self, interval: float = 0.2) -> None:
         """Notice the launcher failing; and, where the launcher cannot tell of each rank's changes
@@ -334,7 +291,7 @@ class RankSupervisor:
                 failure = self.launcher.failure()  # the node starter ended: a cancelled job, a time limit, a lost link
                 if failure:
                     self._on_fault(RemoteCause("launcher", failure))
-            for rank in list(self.stopped):
+            for rank in list(self.seen_stopped):
                 await self._look_at(self.ranks[rank])
             if not self.launcher.watches:
                 for r in list(self.ranks.values()):
@@ -350,21 +307,21 @@ class RankSupervisor:
     async def _look_at(self, r: Rank) -> None:
         """Tell the kernel of a rank that exited, was stopped, or runs again."""
         if not r.alive:
-            self.stopped.discard(r.rank)
+            self.seen_stopped.discard(r.rank)
             return
         await r.process.poll()
         reason = r.process.exit_reason()
         # while a fault that takes the gang settles (a cancelled job SIGTERMs every rank), the
         # ranks die of its cause, named once it is known (_report_fault)
-        if reason and not self._causes:
+        if reason and not self.fault.settling:
             self._died(r, reason)
             return
         state = r.process.os_state()
         stopped = state_words(state) if state in STOPPED else ""
         if stopped:
-            self.stopped.add(r.rank)
+            self.seen_stopped.add(r.rank)
         else:
-            self.stopped.discard(r.rank)
+            self.seen_stopped.discard(r.rank)
         if stopped != r.stopped:
             r.stopped = stopped
             with contextlib.suppress(Exception):
@@ -384,31 +341,22 @@ class RankSupervisor:
 
     def _on_fault(self, cause: RemoteCause) -> None:
         """Something took the whole gang (on another machine: a node lost, its agent ending, a
-        rank that exited, the launcher ended). Hear what else follows for a moment, then name
-        the cause (fault_policy rule 6)."""
-        if self.closing or self._fault_reported or cause in self._causes:
-            return
-        self._causes.append(cause)
-        if len(self._causes) == 1:
-            # a rank's reply that comes meanwhile (gloo's "Read error" on a peer of the rank that
-            # died) is not its part of the story: every rank's part is the cause, once named
-            for r in self.ranks.values():
-                if r.channel is not None:
-                    r.channel.hold_replies()
-            asyncio.get_running_loop().call_later(settle_for(cause), self._report_fault)
+        rank that exited, the launcher ended): heard, and named once it settled (:class:`GangFault`)."""
+        if not self.closing:
+            self.fault.heard(cause)
 
-    @property
-    def holding_replies(self) -> bool:
-        """Did a fault that takes every rank come (the ranks' replies are held: :meth:`_on_fault`)?"""
-        return bool(self._causes)
+    def _hold_replies(self) -> None:
+        """A rank's reply that comes while a fault settles (gloo's "Read error" on a peer of the
+        rank that died) is not its part of the story: every rank's part is the cause, once named."""
+        for r in self.ranks.values():
+            if r.channel is not None:
+                r.channel.hold_replies()
 
-    def _report_fault(self) -> None:
+    def _report_fault(self, cause: RemoteCause) -> None:
         """Name the cause on the ranks it took, stop the survivors on every node: nothing is
         left running anywhere."""
-        if self.closing or self._fault_reported:
+        if self.closing:
             return
-        self._fault_reported = True
-        cause = remote_culprit(self._causes)
         for rank in cause.ranks:
             if rank in self.ranks:
                 self._died(self.ranks[rank], f"is gone: {cause.text}")
@@ -419,22 +367,10 @@ class RankSupervisor:
         asyncio.ensure_future(self.launcher.stop(now=True))
 
     def _rank_states(self) -> str:
-        states = {r.rank: r.exit_reason or state_words(r.process.os_state()) for r in self.ranks.values()}
-        if len(states) > 8:  # many ranks: grouped by state, one line however many there are
-            by_state: dict[str, list[int]] = {}
-            for rank, state in states.items():
-                by_state.setdefault(state, []).append(rank)
-            groups = sorted(by_state.items(), key=lambda kv: min(kv[1]))
-            return "; ".join(f"rank {format_ranks(ranks)} {state}" for state, ranks in groups) + ". "
-        each = [f"rank {r.rank} ({r.where}) {states[r.rank]}" for r in self.ranks.values()]
-        return ("; ".join(each) + ". ") if each else ""
+        return words.rank_states({r.rank: (r.where, r.exit_reason or state_words(r.process.os_state()))
+                                  for r in self.ranks.values()})
 
-    # ------------------------------------------------------------ control
-    async def interrupt(self, ranks: list[int]) -> None:
-        """SIGINT each named live rank (its whole process group, as Jupyter does)."""
-        await self.launcher.signal([self.ranks[r].process for r in ranks if r in self.ranks and self.ranks[r].alive],
-                                   signal.SIGINT)
-
+    # ------------------------------------------------------------ the end
     async def shutdown(self, now: bool = False) -> None:
         """End every rank process and remove the runtime directory."""
         self.closing = True
@@ -446,33 +382,18 @@ class RankSupervisor:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.launcher.stop(now=now), 10)
         # what the ranks started outside their process groups (os.setsid, daemons) too
-        await asyncio.get_running_loop().run_in_executor(None, kill_kernel_processes, self.runtime_dir,
-                                                         self._rank_pids())
-        self._remove_runtime_dir()
-
-    def kill_now(self) -> None:
-        """End every rank synchronously (used at exit, from any thread): the launcher's last
-        resort, then every process of the kernel (the ranks' sessions and groups included)."""
-        self.launcher.stop_now()
-        kill_kernel_processes(self.runtime_dir, self._rank_pids())
+        await asyncio.get_running_loop().run_in_executor(None, self._dir.end, self._rank_pids())
 
     def cleanup_sync(self) -> None:
-        """Last-resort cleanup when the parent exits without a shutdown request."""
+        """Last-resort cleanup when the parent exits without a shutdown request (at exit, from any
+        thread): the launcher's last resort, then every process of the kernel (the ranks'
+        sessions and groups included)."""
         self.closing = True
-        self.kill_now()
-        self._remove_runtime_dir()
+        self.launcher.stop_now()
+        self._dir.end(self._rank_pids())
 
     def _rank_pids(self) -> list[int]:
         """The rank processes on this machine (their sessions and groups are the kernel's).
         Ranks on other machines have pids that mean nothing here: their agents end them, and
         the node starter records what it started for the reaper."""
         return [p for p in (r.pid for r in self.ranks.values() if not r.host) if p]
-
-    def _remove_runtime_dir(self) -> None:
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
-        try:  # the reaper sees the dir gone within 0.1 s and exits; collect it (no zombie)
-            self._reaper.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self._reaper.kill()
-            self._reaper.wait()
-

@@ -11,25 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import linecache
 import os
-import re
 import signal
 import socket
 import sys
 import threading
-import traceback
 from collections.abc import Callable, Iterator
-from types import FrameType
 
-from dist_kernel.protocol import META_RANKS, META_SOLO, Done, Operand, Place, RankStatus, meta_of, ranks_from, with_meta
-from dist_kernel.rank import nccl, store
+from dist_kernel.protocol import META_RANKS, META_SOLO, Done, Place, RankStatus, meta_of, ranks_from, with_meta
+from dist_kernel.rank import nccl, stack, store
+from dist_kernel.rank.connections import cut_connections
 
 _state: dict[str, object] = {"empty_cache": True, "busy": False}
-
-#: torch.distributed functions that only wrap others (the innermost real call is reported)
-_WRAPPERS = {"wrapper", "_wait", "wait"}
-
 
 def die_with_parent(parent_pid: int) -> None:
     """Have Linux SIGKILL this rank when the parent dies (PR_SET_PDEATHSIG).
@@ -136,7 +129,7 @@ def group_seq() -> int | None:
         return None
     import torch.distributed as dist
 
-    return _group_info(dist.GroupMember.WORLD)[1]
+    return stack.group_info(dist.GroupMember.WORLD)[1]
 
 
 def group_up() -> bool:
@@ -162,17 +155,8 @@ def where() -> Place:
     if frame is None:
         return Place(collective=None, group_ranks=[], peer=None, seq=None, stack=[], line="", busy=busy,
                      group_seq=group_seq())
-    collective, dist_frame, public, backward = None, None, None, False
-    f: FrameType | None = frame
-    while f is not None:  # the innermost torch.distributed call, with its arguments
-        if f.f_code.co_name == "_engine_run_backward" and "/torch/autograd/" in f.f_code.co_filename:
-            backward = True  # in C++ autograd, where DDP starts its gradient all_reduce
-        if f.f_code.co_filename.endswith("distributed_c10d.py") and f.f_code.co_name not in _WRAPPERS:
-            collective, dist_frame = f.f_code.co_name, f
-        if "/torch/distributed/" in f.f_code.co_filename and not f.f_code.co_name.startswith("_") \
-                and f.f_code.co_name not in _WRAPPERS:
-            public = f.f_code.co_name  # the outermost public call: new_subgroups, not its new_group
-        f = f.f_back
+    dist_frame, public, backward = stack.dist_call(frame)
+    collective = dist_frame.f_code.co_name if dist_frame is not None else None
     store_wait = store.waiting() and public is not None
     if store_wait:  # group creation: name what the user called, never a private helper
         collective = public
@@ -180,12 +164,12 @@ def where() -> Place:
     peer = seq = None
     native = ""
     if dist_frame is None and busy:
-        native, native_group = _native_call(frame)
+        native, native_group = stack.native_call(frame)
         if native:
-            group_ranks, seq = _group_info(native_group)
+            group_ranks, seq = stack.group_info(native_group)
     if dist_frame is not None:
         args = dist_frame.f_locals
-        group_ranks, seq = _group_info(args.get("group"))
+        group_ranks, seq = stack.group_info(args.get("group"))
         for name in ("src", "dst", "group_src", "group_dst"):
             value = args.get(name)
             if isinstance(value, int) and collective in ("send", "recv", "isend", "irecv"):
@@ -196,128 +180,15 @@ def where() -> Place:
         pending = nccl.pending() if cuda_wait else []  # the recorder is read only then
         if pending and not native:  # a C++ wait for a collective: looked at as DDP's is (idle counts, stop)
             native, group_ranks, seq = cuda_wait, pending[0].group_ranks, pending[0].seq
-    summary = [fs for fs in traceback.extract_stack(frame) if _user_frame(fs.filename)] if busy else []
-    stack = [f'  File "{_short(fs.filename)}", line {fs.lineno}, in {fs.name}\n    {fs.line or ""}' for fs in summary]
-    cell = [fs for fs in summary if _short(fs.filename) == "cell"]
-    line = f"line {cell[-1].lineno}: {cell[-1].line}" if cell else str(_state.get("doing") or "")
-    if not cell and _state.get("doing"):  # a request, not a cell (%dist_sync): its step, not torch's frames
-        stack = [f"  {_state['doing']}"]
-    return Place(collective=collective, group_ranks=group_ranks, peer=peer, seq=seq, stack=stack,
+    frames, line = stack.user_frames(frame) if busy else ([], "")
+    if not line:
+        line = str(_state.get("doing") or "")
+        if line:  # a request, not a cell (%dist_sync): its step, not torch's frames
+            frames = [f"  {line}"]
+    return Place(collective=collective, group_ranks=group_ranks, peer=peer, seq=seq, stack=frames,
                  line=line, busy=busy, store_wait=store_wait, in_code=in_code(), group_seq=group_seq(),
                  in_backward=backward, native=native, cuda_wait=cuda_wait, pending=pending,
-                 operands=operands(dist_frame) if dist_frame is not None else [])
-
-
-#: torch's code that starts collectives in C++, with no torch.distributed collective on the stack
-#: (DDP's constructor verifies and broadcasts the parameters through dist._verify_params_across_processes
-#: and dist._broadcast_coalesced)
-_NATIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/")
-#: the local names under which torch's code holds the process group it works on
-_GROUP_NAMES = ("process_group", "group", "pg")
-_CALLEE = re.compile(r"([A-Za-z_]\w*)\s*\(")
-
-
-def _native_call(frame: FrameType) -> tuple[str, object]:
-    """The torch call the main thread is in when its innermost Python frame is torch's
-    distributed code (so it is in a C++ call that code made), named from the outermost torch
-    frame inwards: ``DistributedDataParallel(...) / _verify_param_shape_across_processes /
-    _verify_params_across_processes``; and the process group found on the way (None: the
-    default one). ``""`` when the main thread is elsewhere."""
-    if not any(p in frame.f_code.co_filename for p in _NATIVE_CODE):
-        return "", None
-    group: object = None
-    outer = frame
-    f: FrameType | None = frame
-    while f is not None and "/torch/" in f.f_code.co_filename:
-        if group is None:
-            group = _group_in(f.f_locals)
-        outer, f = f, f.f_back
-    names = [_frame_call(outer)]
-    if frame is not outer:
-        names.append(frame.f_code.co_name)
-    callee = _callee(frame)
-    if callee and callee not in names:
-        names.append(callee)
-    return " / ".join(names), group
-
-
-def _callee(frame: FrameType) -> str:
-    """The function a frame is calling now, read from its source: the call expression of the
-    instruction it is at (``self.reducer._rebuild_buckets()`` in ``if torch.is_grad_enabled()
-    and self.reducer._rebuild_buckets():``), else the first call on its line; "" when neither is
-    known."""
-    source = ""
-    positions = getattr(frame.f_code, "co_positions", None)  # Python 3.11+
-    try:
-        if positions is None or frame.f_lasti < 0:  # not started: no instruction
-            raise IndexError
-        line, end, col, end_col = list(positions())[frame.f_lasti // 2]
-        if line is not None and line == end and col is not None and end_col is not None:
-            source = linecache.getline(frame.f_code.co_filename, line)[col:end_col]
-    except (IndexError, ValueError):
-        pass
-    # f_lineno is None while a frame runs an instruction that has no line (seen once, in a look
-    # at a rank in DDP's code): no callee to name then, never a failed look
-    found = _CALLEE.search(source) or _CALLEE.search(linecache.getline(frame.f_code.co_filename,
-                                                                       frame.f_lineno or 0))
-    return found[1] if found else ""
-
-
-#: nn.Module's frames that call a module (``model(x)``): named after the module's forward
-_MODULE_CALLS = ("_wrapped_call_impl", "_call_impl")
-
-
-def _frame_call(f: FrameType) -> str:
-    """What the user called to enter this frame: a class's name for its constructor, a
-    module's forward for a call of the module."""
-    if f.f_code.co_name == "__init__" and "self" in f.f_locals:
-        return f"{type(f.f_locals['self']).__name__}(...)"
-    if f.f_code.co_name in _MODULE_CALLS and "self" in f.f_locals:
-        return f"{type(f.f_locals['self']).__name__}.forward"
-    return f"{f.f_code.co_name}(...)"
-
-
-def operands(frame: FrameType) -> list[Operand]:
-    """The tensors a torch.distributed call holds (its frame's tensor arguments and locals, in
-    their order), by name, dtype and shape: what the fault policy compares between ranks blocked
-    in the same collective (rule 3). Read only in a ``where`` look, never on a cell's way."""
-    torch = sys.modules.get("torch")
-    kind = getattr(torch, "Tensor", None)
-    if kind is None:
-        return []
-    found = []
-    for name, value in list(frame.f_locals.items()):
-        if isinstance(value, kind):
-            found.append(Operand(name=name, dtype=str(value.dtype).removeprefix("torch."), shape=list(value.shape)))
-    return found
-
-
-def _group_in(names: dict) -> object:
-    """A process group held under one of :data:`_GROUP_NAMES`, or None."""
-    dist = sys.modules.get("torch.distributed")
-    kind = getattr(dist, "ProcessGroup", None)
-    for name in _GROUP_NAMES:
-        value = names.get(name)
-        if kind is not None and isinstance(value, kind):
-            return value
-    return None
-
-
-def _group_info(group: object) -> tuple[list[int], int | None]:
-    """The global ranks of a collective's group (the world for None) and its sequence number."""
-    try:
-        import torch.distributed as dist
-
-        pg = group if group is not None else dist.GroupMember.WORLD
-        assert pg is None or isinstance(pg, dist.ProcessGroup)  # _group_in found it by this type
-        ranks = list(dist.get_process_group_ranks(pg))
-    except Exception:  # noqa: BLE001 - a torn-down group: no ranks to name
-        return [], None
-    seq = None
-    if pg is not None:
-        with contextlib.suppress(Exception):
-            seq = int(pg._get_sequence_number_for_group())  # type: ignore[attr-defined]  # private torch API, not in its stubs
-    return ranks, seq
+                 operands=stack.operands(dist_frame) if dist_frame is not None else [])
 
 
 #: what gloo says when a connection of the group breaks (it raises a plain RuntimeError)
@@ -342,15 +213,6 @@ def group_broke(exc: BaseException | None) -> bool:
     return False
 
 
-def _user_frame(filename: str) -> bool:
-    return not any(p in filename for p in ("site-packages/IPython", "site-packages/ipykernel", "asyncio",
-                                           "site-packages/tornado", "site-packages/traitlets", "<frozen",
-                                           "threading.py", "runpy.py", "ipykernel_launcher",
-                                           "dist_kernel/rank/"))
-
-
-def _short(filename: str) -> str:
-    return "cell" if ("/ipykernel_" in filename or filename.startswith("<ipython-input")) else filename
 
 
 def after_cell(result: object = None) -> None:
@@ -522,69 +384,3 @@ def teardown_group(peer_pids: list[int], peer_hosts: list[str] | None = None) ->
         except Exception as e:  # noqa: BLE001 - a broken group may refuse; that is fine too
             outcome += f", {type(e).__name__}: {e}"
     return Done(outcome=outcome)
-
-
-def cut_connections(peer_pids: list[int], peer_hosts: list[str] = (),  # type: ignore[assignment]
-                    keep_port: int | None = None) -> int:
-    """Shut down this process's established TCP connections to the given processes on this
-    machine, and to every process on the given other machines (IPv4 addresses; Linux); those
-    from or to ``keep_port`` (the rendezvous store) stay."""
-    kept = f":{keep_port:04X}" if keep_port else None
-    table = _tcp_table()
-    peers: set[str] = set()
-    for pid in peer_pids:
-        peers.update(table[i][0] for i in _socket_inodes(pid) if i in table)
-    hosts = {_proc_net_host(h) for h in peer_hosts if h}
-    cut = 0
-    for inode, fd in _socket_inodes(os.getpid()).items():
-        local, remote, state = table.get(inode, ("", "", ""))
-        if kept and (local.endswith(kept) or remote.endswith(kept)):
-            continue
-        if state == "01" and (remote in peers or remote.rsplit(":", 1)[0] in hosts):  # 01: ESTABLISHED
-            try:
-                with socket.socket(fileno=os.dup(fd)) as sock:
-                    sock.shutdown(socket.SHUT_RDWR)
-                cut += 1
-            except OSError:
-                continue
-    return cut
-
-
-def _proc_net_host(address: str) -> str:
-    """An IPv4 address as /proc/net/tcp writes it (hex, host byte order: little-endian here)."""
-    try:
-        return socket.inet_aton(address)[::-1].hex().upper()
-    except OSError:
-        return address
-
-
-def _socket_inodes(pid: int) -> dict[int, int]:
-    """Socket inode -> file descriptor, for one process."""
-    found: dict[int, int] = {}
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return found
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            found[int(link[8:-1])] = int(fd)
-    return found
-
-
-def _tcp_table() -> dict[int, tuple[str, str, str]]:
-    """Socket inode -> (local address, remote address, state), from /proc/net/tcp and tcp6."""
-    table: dict[int, tuple[str, str, str]] = {}
-    for name in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/net/{name}") as f:
-                next(f)
-                for line in f:
-                    parts = line.split()
-                    table[int(parts[9])] = (parts[1], parts[2], parts[3])
-        except (OSError, StopIteration, IndexError, ValueError):
-            continue
-    return table

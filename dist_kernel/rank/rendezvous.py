@@ -145,7 +145,7 @@ def _check_reachable(rank: int, host: str, port: int) -> None:
     address, instead of waiting out the collective timeout."""
     import socket
 
-    from dist_kernel.tunnel import reach
+    from dist_kernel.tunnel.link import reach
 
     error = reach(host, port, REACH_TIMEOUT)
     if error is None:

@@ -36,6 +36,9 @@ from dist_kernel import tunnel
 from dist_kernel.node.agent import read_bootstrap
 from dist_kernel.placement import rank_of
 from dist_kernel.testing.stub_rank import StubBehaviour, StubRank, Timers
+from dist_kernel.tunnel.keys import Bootstrap
+from dist_kernel.tunnel.link import LinkWatch, agent_socket
+from dist_kernel.tunnel.turns import Signer, Turn
 
 DELAY_ENV = "DIST_KERNEL_STUB_DELAY_MS"
 JITTER_ENV = "DIST_KERNEL_STUB_JITTER_MS"
@@ -51,7 +54,7 @@ def behaviour_from(environ: dict[str, str] | os._Environ) -> StubBehaviour:
 class StubNode:
     """One stub node: the parent's connection, its stub ranks and their timers."""
 
-    def __init__(self, parent: str, node: int, boot: tunnel.Bootstrap, behaviour: StubBehaviour) -> None:
+    def __init__(self, parent: str, node: int, boot: Bootstrap, behaviour: StubBehaviour) -> None:
         self.parent = parent
         self.node = node
         self.boot = boot
@@ -61,16 +64,16 @@ class StubNode:
         self.timers = Timers()
         self.ranks: dict[int, StubRank] = {}
         self.exits: dict[int, int] = {}
-        self.signer = tunnel.Signer(boot.rank_keys)
-        self.turn = tunnel.Turn(self.signer)  # what the ranks said this turn, as the real agent sends it
+        self.signer = Signer(boot.rank_keys)
+        self.turn = Turn(self.signer)  # what the ranks said this turn, as the real agent sends it
         self.beaten: dict[int, tuple] = {}  # each rank's state as the last beat told the parent
         self.sampling = False  # the parent's beats ask for loads (%dist_top): a beat each time then
         self.stdin_closed = threading.Event()
         self.ending = ""
 
     def connect(self) -> None:
-        sock = tunnel.agent_socket(self.ctx, self.boot, self.node)  # as the real agent's
-        self.link = tunnel.LinkWatch(sock)
+        sock = agent_socket(self.ctx, self.boot, self.node)  # as the real agent's
+        self.link = LinkWatch(sock)
         sock.connect(self.parent)
         self.sock = sock
         hello = {"type": "hello", "node": self.node, "host": self.host, "address": "127.0.0.1",

@@ -387,17 +387,17 @@ def test_make_node_starter_picks_the_node_starter(tmp_path):
 
 
 def test_keys_for_slurm_nodes_travel_munge_wrapped_decodable_once_per_munged_and_never_in_clear(lab):
-    from dist_kernel import tunnel
+    from dist_kernel.tunnel import keys
 
     sock = slurm.munge_socket(lab)
     assert sock == "/run/dk-cluster-lab/munge/munge.socket"  # the lab's own munged (AuthInfo)
     secret = b'{"client_secret": "' + uuid.uuid4().hex.encode() + b'"}\n'
-    line = tunnel.munge_wrap(secret, sock)
-    assert line.startswith(tunnel.MUNGE_PREFIX) and line.count(b"\n") == 1
+    line = keys.munge_wrap(secret, sock)
+    assert line.startswith(keys.MUNGE_PREFIX) and line.count(b"\n") == 1
     assert secret.strip() not in line and b"client_secret" not in line  # the payload is encrypted
     # decoded on a node (inside n1's namespace), as the agent does
-    decode = [sys.executable, "-c", "import sys; from dist_kernel import tunnel; "
-              f"sys.stdout.buffer.write(tunnel.munge_unwrap(sys.stdin.buffer.read(), {sock!r}))"]
+    decode = [sys.executable, "-c", "import sys; from dist_kernel.tunnel import keys; "
+              f"sys.stdout.buffer.write(keys.munge_unwrap(sys.stdin.buffer.read(), {sock!r}))"]
     first = subprocess.run(["ip", "netns", "exec", "n1", *decode], input=line, capture_output=True, timeout=30)
     assert first.returncode == 0, first.stderr
     assert first.stdout == secret

@@ -208,7 +208,7 @@ class FakeRanks:
     def log_tail(self, rank: int, lines: int = 15) -> str:
         return f"rank {rank}'s last words" if rank in self._dead else ""
 
-    async def shell_request(self, rank, msg_type, content, timeout=10.0) -> dict:
+    async def shell_request(self, rank, msg_type, content, timeout=10.0, channel="shell") -> dict:
         self.sent.append((rank, msg_type, content, {}))
         if msg_type == "comm_info_request":
             return {"status": "ok", "comms": {f"comm-of-{rank}": {"target_name": "jupyter.widget"}}}

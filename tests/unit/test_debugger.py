@@ -68,8 +68,8 @@ class Ranks:
     def pid(self, rank: int) -> int:
         return self.pids[rank]
 
-    async def control_request(self, rank, msg_type, content, timeout=10.0):
-        assert msg_type == "debug_request"
+    async def shell_request(self, rank, msg_type, content, timeout=10.0, channel="shell"):
+        assert msg_type == "debug_request" and channel == "control"
         self.sent.append((rank, content["command"]))
         self.last = content
         return {"type": "response", "success": True, "command": content["command"], "body": {"rank": rank}}

@@ -13,9 +13,11 @@ from jupyter_client.session import Session
 from dist_kernel import protocol, tunnel
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.channels import RankChannel, Routes
+from dist_kernel.parent.gang_fault import GangFault
 from dist_kernel.parent.launch.outbox import Outbox
 from dist_kernel.parent.launch.remote_rank import RemoteWire
 from dist_kernel.parent.ranks import RECENT, SupervisedRanks
+from dist_kernel.tunnel.turns import Signer
 
 
 def test_a_cells_rank_list_is_read_only_when_well_formed() -> None:
@@ -31,7 +33,7 @@ def test_a_fan_message_reads_back_and_each_rank_gets_its_own_signature() -> None
     assert frames[0] == tunnel.FAN
     channel, headers, got = tunnel.unfan(frames[1:])
     assert (channel, headers, got) == (b"shell", [(0, b'{"msg_id": "a"}'), (1, b'{"msg_id": "b"}')], shared)
-    signer = tunnel.Signer(keys)
+    signer = Signer(keys)
     for rank, header in headers:
         msg = signer.message(rank, header, got)
         assert msg[0] == tunnel.DELIM and msg[2:] == [header, *shared]
@@ -128,35 +130,37 @@ class _Listener:
     def send_ctl(self, *args) -> None: ...
 
 
-def _remote_ranks(n: int) -> tuple[SupervisedRanks, SimpleNamespace, _Listener]:
-    """``n`` remote ranks' real channels behind one listener, under a supervisor's state."""
+def _remote_ranks(n: int) -> tuple[SupervisedRanks, _Listener]:
+    """``n`` remote ranks' real channels behind one listener, in a supervisor's state without its
+    processes (no reaper, no launcher: what routing a cell reads)."""
     listener = _Listener()
     log = logging.getLogger("test")
-    ranks = {r: SimpleNamespace(channel=RankChannel(r, {"key": f"k{r}"}, log, lambda *a: None, lambda *a: None,
-                                                    wire=RemoteWire(listener, r)), exit_reason=None, alive=True)
-             for r in range(n)}
-    sup = SimpleNamespace(ranks=ranks, generation=1, deaths={}, routes=Routes(), launcher=SimpleNamespace(),
-                          holding_replies=False, config=KernelConfig(world_size=n, backend="gloo", nodes=2,
-                                                                 ranks_per_node=n // 2))
-    return SupervisedRanks(sup), sup, listener  # type: ignore[arg-type] - the supervisor's state, no processes
+    ranks = object.__new__(SupervisedRanks)
+    vars(ranks).update(
+        ranks={r: SimpleNamespace(channel=RankChannel(r, {"key": f"k{r}"}, log, lambda *a: None, lambda *a: None,
+                                                      wire=RemoteWire(listener, r)), exit_reason=None, alive=True)
+               for r in range(n)},
+        generation=1, deaths={}, routes=Routes(), fault=GangFault(lambda: None, lambda cause: None),
+        config=KernelConfig(world_size=n, backend="gloo", nodes=2, ranks_per_node=n // 2))
+    return ranks, listener
 
 
 def test_a_cell_goes_to_a_nodes_ranks_in_one_call_and_their_agreeing_replies_come_back_as_one_group() -> None:
-    ranks, sup, listener = _remote_ranks(4)
+    ranks, listener = _remote_ranks(4)
     groups: list[list[int]] = []
     sent, lost = ranks.send_cell((0, 1, 2, 3), {"code": "x = 1"}, {}, lambda rs, msg: groups.append(rs))
     assert listener.cells == [[0, 1, 2, 3]] and lost == {} and len(sent) == 1
     reply = {"parent_header": {"msg_id": sent[0]}, "content": {"status": "ok"}, "metadata": {}}
-    assert ranks._replied([0, 1, 3], reply) is True and groups == [[0, 1, 3]]
+    assert ranks.grouped_reply([0, 1, 3], reply) is True and groups == [[0, 1, 3]]
     # a reply to nothing routed (a finished cell's, long ago) goes to the ranks' channels instead
-    assert ranks._replied([2], {**reply, "parent_header": {"msg_id": "other"}}) is False
+    assert ranks.grouped_reply([2], {**reply, "parent_header": {"msg_id": "other"}}) is False
 
 
 def test_a_rank_that_died_is_left_out_of_the_next_cells_send_and_named() -> None:
-    ranks, sup, listener = _remote_ranks(4)
+    ranks, listener = _remote_ranks(4)
     ranks.send_cell((0, 1, 2, 3), {"code": "x = 1"}, {}, lambda rs, msg: None)
-    sup.ranks[2].channel.fail_pending("rank 2 (pid 12 on n1) exited with code 1")  # as the supervisor's _died
-    sup.ranks[2].exit_reason, sup.ranks[2].alive, sup.deaths[2] = "exited with code 1", False, [0.0]
+    ranks.ranks[2].channel.fail_pending("rank 2 (pid 12 on n1) exited with code 1")  # as the supervisor's _died
+    ranks.ranks[2].exit_reason, ranks.ranks[2].alive, ranks.deaths[2] = "exited with code 1", False, [0.0]
     sent, lost = ranks.send_cell((0, 1, 2, 3), {"code": "x = 2"}, {}, lambda rs, msg: None)
     assert listener.cells[-1] == [0, 1, 3] and lost == {2: "rank 2 (pid 12 on n1) exited with code 1"}
     assert ranks.gone() == [2]
@@ -164,18 +168,18 @@ def test_a_rank_that_died_is_left_out_of_the_next_cells_send_and_named() -> None
 
 def test_a_cell_that_waits_on_a_rank_left_running_still_hears_its_reply_after_many_later_cells() -> None:
     # the late reply is how the group learns the rank is back (GroupState.left_running)
-    ranks, sup, listener = _remote_ranks(4)
+    ranks, listener = _remote_ranks(4)
 
     def reply(msg_id: str) -> dict:
         return {"parent_header": {"msg_id": msg_id}, "content": {"status": "ok"}, "metadata": {}}
 
     heard: list[list[int]] = []
     (stuck,), _ = ranks.send_cell((0, 1, 2, 3), {"code": "train()"}, {}, lambda rs, msg: heard.append(rs))
-    ranks._replied([0, 1, 2], reply(stuck))  # rank 3 was given up on, still running
+    ranks.grouped_reply([0, 1, 2], reply(stuck))  # rank 3 was given up on, still running
     later = []
     for i in range(3 * RECENT):  # cells on the others (%%rank 0-2), each answered
         (msg_id,), _ = ranks.send_cell((0, 1, 2), {"code": f"x = {i}"}, {}, lambda rs, msg: None)
-        assert ranks._replied([0, 1, 2], reply(msg_id))
+        assert ranks.grouped_reply([0, 1, 2], reply(msg_id))
         later.append(msg_id)
-    assert ranks._replied([3], reply(stuck)) is True and heard == [[0, 1, 2], [3]]
-    assert ranks._replied([0], reply(later[0])) is False  # an answered cell's route is not kept for ever
+    assert ranks.grouped_reply([3], reply(stuck)) is True and heard == [[0, 1, 2], [3]]
+    assert ranks.grouped_reply([0], reply(later[0])) is False  # an answered cell's route is not kept for ever

@@ -78,6 +78,20 @@ def test_a_failed_formation_says_nothing_waits_and_what_was_ended_once():
     assert "Ranks 2,3, started for it, were ended again. Run %dist_ranks 4 to try again" in grown
 
 
+def test_a_start_that_timed_out_names_each_ranks_state_and_many_ranks_in_one_line():
+    few = words.rank_states({0: ("pid 10", "idle"), 1: ("pid 11 on n2", "exited with code 1")})
+    assert few == "rank 0 (pid 10) idle; rank 1 (pid 11 on n2) exited with code 1. "
+    many = words.rank_states({r: (f"pid {r}", "running" if r != 5 else "exited with code 1") for r in range(12)})
+    assert many == "rank 0-4,6-11 running; rank 5 exited with code 1. " and words.rank_states({}) == ""
+
+
+def test_a_refused_join_says_whether_torch_is_missing_or_the_options_do_not_suit():
+    missing = words.join_failed(1, "gloo", "ModuleNotFoundError: No module named 'torch'", "/venv/bin/python")
+    assert missing.startswith("rank 1 could not join the gloo process group:\n")
+    assert "make sure `import torch` works in /venv/bin/python" in missing
+    assert "--gpus, --backend" in words.join_failed(0, "nccl", "RuntimeError: no GPU", "/venv/bin/python")
+
+
 @pytest.mark.parametrize("error", [asyncio.TimeoutError(), RuntimeError(""), KeyError("x")])
 def test_a_group_magics_error_is_never_empty(error):
     text = words.magic_failed("dist_respawn", "", error)

@@ -7,7 +7,7 @@ import linecache
 import sys
 from types import FrameType
 
-from dist_kernel.rank import agent
+from dist_kernel.rank import stack
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
 UTILS = f"{TORCH}/distributed/utils.py"
@@ -33,14 +33,14 @@ def frames_inside_ddp() -> FrameType:
 
 def test_a_call_into_cpp_from_torchs_distributed_code_is_named_from_the_outside_in():
     frame = frames_inside_ddp()
-    name, group = agent._native_call(frame)
+    name, group = stack.native_call(frame)
     assert name == "DistributedDataParallel(...) / _verify_param_shape_across_processes / " \
                    "_verify_params_across_processes"
     assert group is None  # no process group object on the way: the default one
 
 
 def test_code_outside_torchs_distributed_code_is_no_such_call():
-    assert agent._native_call(sys._getframe()) == ("", None)
+    assert stack.native_call(sys._getframe()) == ("", None)
 
 
 class Between:
@@ -58,7 +58,7 @@ class Between:
 
 
 def test_a_frame_without_a_line_number_is_named_without_its_callee_and_the_look_goes_on():
-    name, group = agent._native_call(Between(frames_inside_ddp()))  # type: ignore[arg-type]
+    name, group = stack.native_call(Between(frames_inside_ddp()))  # type: ignore[arg-type]
     assert name == "DistributedDataParallel(...) / _verify_param_shape_across_processes"
     assert group is None
 
@@ -73,6 +73,6 @@ def test_the_callee_is_the_call_the_frame_is_at_not_the_first_on_its_line():
     ddp = ns["DistributedDataParallel"]()
     seen: list = []  # what a look from another thread reads while forward() waits in the call
     ddp.reducer = type("reducer", (), {"_rebuild_buckets": staticmethod(
-        lambda: seen.append(agent._native_call(sys._getframe(1))))})
+        lambda: seen.append(stack.native_call(sys._getframe(1))))})
     ddp.forward()
     assert seen[0] == ("forward(...) / _rebuild_buckets", None)

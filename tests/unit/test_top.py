@@ -27,6 +27,7 @@ from dist_kernel.parent.top_table import (
     status_columns,
 )
 from dist_kernel.protocol import Place
+from dist_kernel.tunnel.keys import Bootstrap
 
 pytestmark = pytest.mark.timeout(30)
 GIB = 1024 ** 3
@@ -281,7 +282,7 @@ def test_a_node_agent_adds_its_ranks_load_to_its_beats_only_while_the_parent_ask
     from dist_kernel import tunnel
     from dist_kernel.node.agent import NodeAgent, RankChild
 
-    boot = tunnel.Bootstrap(server_key="", client_public="", client_secret="", hmac_key="k" * 32, rank_keys={},
+    boot = Bootstrap(server_key="", client_public="", client_secret="", hmac_key="k" * 32, rank_keys={},
                             nodes=2, ranks_per_node=1)
     agent = NodeAgent("tcp://127.0.0.1:1", 1, boot)
     sent: list[dict] = []

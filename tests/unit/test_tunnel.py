@@ -6,6 +6,8 @@ import pytest
 
 from dist_kernel import tunnel
 from dist_kernel.placement import rank_env, rank_of
+from dist_kernel.tunnel.keys import Bootstrap, new_secrets
+from dist_kernel.tunnel.link import interface_of, parse_endpoint, route_address
 
 
 def test_a_control_event_round_trips_when_signed_with_the_kernels_key():
@@ -33,33 +35,33 @@ def test_each_side_accepts_only_the_events_of_its_direction():
 
 
 def test_the_bootstrap_line_carries_keys_and_shape_and_rejects_garbage():
-    keys = tunnel.new_secrets()
-    boot = tunnel.Bootstrap(server_key=keys["server_public"], client_public=keys["client_public"],
+    keys = new_secrets()
+    boot = Bootstrap(server_key=keys["server_public"], client_public=keys["client_public"],
                             client_secret=keys["client_secret"], hmac_key=keys["hmac_key"],
                             rank_keys={"0": "a", "1": "b", "2": "c", "3": "d"}, nodes=2, ranks_per_node=2)
     line = boot.encode()
     assert line.endswith(b"\n") and line.count(b"\n") == 1  # exactly one line on stdin
-    assert tunnel.Bootstrap.decode(line) == boot and boot.world_size == 4
+    assert Bootstrap.decode(line) == boot and boot.world_size == 4
     assert len(keys["server_public"]) == 40 and keys["server_public"] != keys["client_public"]
     for bad in (b"not json\n", b'{"server_key": 1}\n', b"[]\n"):
         with pytest.raises(tunnel.TunnelError):
-            tunnel.Bootstrap.decode(bad)
+            Bootstrap.decode(bad)
 
 
 def test_fresh_keys_are_fresh_per_kernel_start():
-    assert tunnel.new_secrets()["hmac_key"] != tunnel.new_secrets()["hmac_key"]
+    assert new_secrets()["hmac_key"] != new_secrets()["hmac_key"]
 
 
 def test_endpoints_parse():
-    assert tunnel.parse_endpoint("tcp://10.77.0.1:5555") == ("10.77.0.1", 5555)
+    assert parse_endpoint("tcp://10.77.0.1:5555") == ("10.77.0.1", 5555)
     with pytest.raises(ValueError):
-        tunnel.parse_endpoint("10.77.0.1:5555")
+        parse_endpoint("10.77.0.1:5555")
 
 
 def test_the_route_to_loopback_is_loopback_and_lo_holds_it():
-    assert tunnel.route_address("127.0.0.1") == "127.0.0.1"
-    assert tunnel.interface_of("127.0.0.1") == "lo"
-    assert tunnel.interface_of("203.0.113.77") is None  # an address this machine does not hold
+    assert route_address("127.0.0.1") == "127.0.0.1"
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("203.0.113.77") is None  # an address this machine does not hold
 
 
 def test_ranks_are_numbered_node_major_as_torchrun_numbers_them():
@@ -95,7 +97,7 @@ def _listener(tmp_path):
     from dist_kernel.options import KernelConfig
     from dist_kernel.parent.launch.remote import AgentListener
 
-    keys = tunnel.new_secrets()
+    keys = new_secrets()
     keys["rank_keys"] = {"0": "k0", "1": "k1"}
     heard: list[tuple[int, dict]] = []
     got = threading.Event()

@@ -5,7 +5,7 @@ The supervisor sees only this interface. A :class:`GangLauncher` starts the rank
 starting at once), signals them, stops them, and says what an outsider needs to end them
 (:meth:`~GangLauncher.state`). Each rank is a :class:`RankHandle` whose methods carry
 jupyter_client's provisioner names (``poll``, ``send_signal``, ``kill``, ``terminate``), and
-a :class:`~dist_kernel.parent.channels.Wire` the rank's channel talks over.
+a :class:`~dist_kernel.parent.wire.Wire` the rank's channel talks over.
 
 The implementations: :class:`~dist_kernel.parent.launch.local.LocalLauncher` (this machine) and
 :class:`~dist_kernel.parent.launch.remote.RemoteLauncher` (other machines, through node agents
@@ -21,8 +21,8 @@ from typing import Protocol
 
 from dist_kernel.exceptions import ConfigError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.channels import Wire
 from dist_kernel.parent.fault_policy import RemoteCause
+from dist_kernel.parent.wire import Wire
 
 
 class RankHandle(Protocol):
@@ -78,9 +78,9 @@ class GangLauncher(abc.ABC):
     #: whether :attr:`on_change` hears every change; if not, the supervisor polls every rank
     watches = False
 
-    #: given a node agent's summary: the ranks that sent one same reply message, at once. The
-    #: ranks' seam (``SupervisedRanks``) takes it whole for a cell's run and says True; False
-    #: hands the message to each rank's channel instead (issue 26)
+    #: given a node agent's summary: the ranks that sent one same reply message, at once. Set by
+    #: the supervisor to its hook (``RankSupervisor.grouped_reply``): a cell's run takes it whole
+    #: and says True; False hands the message to each rank's channel instead (issue 26)
     on_replies: Callable[[list[int], dict], bool] = staticmethod(lambda ranks, msg: False)
     #: likewise, the ranks that sent one same IOPub message (``print(1)`` on every rank)
     on_outputs: Callable[[list[int], dict], bool] = staticmethod(lambda ranks, msg: False)

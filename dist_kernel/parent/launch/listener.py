@@ -25,8 +25,10 @@ import zmq.auth.thread
 from dist_kernel import protocol, tunnel
 from dist_kernel.exceptions import RankStartError
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.channels import pending, zmq_fd
 from dist_kernel.parent.launch.outbox import Outbox
+from dist_kernel.parent.wire import pending, zmq_fd
+from dist_kernel.tunnel.link import tune_link
+from dist_kernel.tunnel.turns import unpack_out, unpack_replies
 
 #: messages read from the listener per turn of the loop (a flood must not starve the rest)
 _BATCH = 200
@@ -86,7 +88,7 @@ class AgentListener:
         # or down within about LOST_AFTER, a killed agent's drops at once: the agents need not
         # beat, and neither this loop nor ZMQ's IO thread wakes per node while idle
         self.router.router_mandatory = True
-        tunnel.tune_link(self.router)
+        tune_link(self.router)
         #: a connection that dropped: the beats probe every node for a while (_on_link_event)
         self.link_events = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._probe_until = 0.0
@@ -228,7 +230,7 @@ class AgentListener:
         now = time.monotonic()
         if not (self.sampling or self._sampled or now < self._probe_until):
             # nothing to say, and no connection dropped lately: the agents count the parent as
-            # heard while their link is up (tunnel.LinkWatch), so an idle parent sends nothing
+            # heard while their link is up (tunnel.link.LinkWatch), so an idle parent sends nothing
             self._again()
             return
         self._sampled = self.sampling
@@ -321,7 +323,7 @@ class AgentListener:
         """IOPub messages of a node's ranks that its agent checked and joined: one decode for all.
         An entry that several ranks sent alike goes on at once (:attr:`on_outputs`: a cell's
         relay), or else to each rank's channel, as one message object (read-only downstream)."""
-        for entry in self._heard_from(index, tunnel.unpack_out, frames) or ():
+        for entry in self._heard_from(index, unpack_out, frames) or ():
             try:
                 rank, header, parent, metadata, content = entry
                 own = self._own(index, rank if isinstance(rank, list) else [rank])
@@ -338,7 +340,7 @@ class AgentListener:
         """A node's summary of its ranks' cell replies: each group decoded once, and handed on
         at once (:attr:`on_replies`: a cell's run), or else to each of its ranks, as the reply
         message (one object, read-only downstream)."""
-        for msg_id, content, meta, ranks in self._heard_from(index, tunnel.unpack_replies, frames) or ():
+        for msg_id, content, meta, ranks in self._heard_from(index, unpack_replies, frames) or ():
             msg = {"header": {"msg_type": "execute_reply"}, "msg_id": "", "msg_type": "execute_reply",
                    "parent_header": {"msg_id": msg_id}, "metadata": {protocol.META: meta} if meta else {},
                    "content": content, "buffers": []}

@@ -21,9 +21,9 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 
 from dist_kernel.cleanup import kill_rank_processes
 from dist_kernel.options import KernelConfig
-from dist_kernel.parent.channels import SocketWire, Wire
 from dist_kernel.parent.launch.base import GangLauncher, RankHandle
 from dist_kernel.parent.reaper import write_pids
+from dist_kernel.parent.wire import SocketWire, Wire
 from dist_kernel.placement import rank_env
 from dist_kernel.processes import describe_exit, file_tail, proc_state, signal_main_thread
 

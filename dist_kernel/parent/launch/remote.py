@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Callable
 
 import zmq
 
-from dist_kernel import tunnel
 from dist_kernel.exceptions import ConfigError, RankStartError
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.fault_policy import RemoteCause
@@ -36,6 +35,7 @@ from dist_kernel.parent.launch.node_starters import default_listen, make_node_st
 from dist_kernel.parent.launch.node_starters.base import NodeStarter, Phase
 from dist_kernel.parent.launch.remote_rank import RemoteRank
 from dist_kernel.processes import describe_exit
+from dist_kernel.tunnel.keys import Bootstrap, new_secrets
 
 #: a node whose agent has not said hello this long after its node starter started it (or left
 #: the queue) is a wiring mistake, reported well before --startup-timeout
@@ -60,7 +60,7 @@ class RemoteLauncher(GangLauncher):
         self.log = log
         self.on_note = on_note
         self.wave = config.world_size  # the agents start their node's ranks themselves
-        self.keys = tunnel.new_secrets()
+        self.keys = new_secrets()
         self.keys["rank_keys"] = {str(r): os.urandom(32).hex() for r in range(config.world_size)}  # type: ignore[assignment]
         self.listener: AgentListener | None = None
         self.node_starter: NodeStarter | None = None
@@ -148,7 +148,7 @@ class RemoteLauncher(GangLauncher):
                               "machine that the nodes can reach, then restart the kernel.") from None
         self.endpoint = f"tcp://{address}:{port}"
         self.listener.start()
-        boot = tunnel.Bootstrap(
+        boot = Bootstrap(
             server_key=self.keys["server_public"], client_public=self.keys["client_public"],
             client_secret=self.keys["client_secret"], hmac_key=self.keys["hmac_key"],
             rank_keys=dict(self.keys["rank_keys"]), nodes=cfg.nodes, ranks_per_node=cfg.ranks_per_node,  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ import signal
 from collections.abc import Callable
 from typing import Protocol
 
-from dist_kernel.parent.channels import Wire
+from dist_kernel.parent.wire import Wire
 from dist_kernel.processes import describe_exit
 
 

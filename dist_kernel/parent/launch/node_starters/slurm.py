@@ -29,6 +29,7 @@ from dist_kernel.exceptions import ConfigError, RankStartError
 from dist_kernel.options import KernelConfig
 from dist_kernel.parent.launch.node_starters.base import STOP_TERM_WAIT, NodeStarter, Phase, StarterProcess, run_quiet
 from dist_kernel.parent.launch.node_starters.routes import checked_source, this_host_names
+from dist_kernel.tunnel.keys import munge_wrap
 
 _QUEUED = re.compile(r"\bjob (\d+) queued and waiting for resources")
 _ALLOCATED = re.compile(r"\bjob (\d+) has been allocated resources")
@@ -332,7 +333,7 @@ class SlurmNodeStarter(NodeStarter):
         one per node (nodes may share one munged, which decodes each credential once)."""
         path = self._munge_path()
         try:
-            return b"".join(tunnel.munge_wrap(bootstrap, path) for _ in range(self.config.nodes))
+            return b"".join(munge_wrap(bootstrap, path) for _ in range(self.config.nodes))
         except (OSError, tunnel.TunnelError) as e:
             raise RankStartError(f"cannot protect the keys for the nodes with MUNGE: {e}. Fix: run the kernel "
                                  "on a machine of the Slurm cluster (munge installed, munged running).") from None
