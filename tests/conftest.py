@@ -55,8 +55,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # The cluster lab is one per machine: a session holds it from collection (no test's timeout runs
 # while it waits for another session, a second copy of the suite, to be done with it) to the
-# teardown of its last test marked ``lab`` (the cluster lane, and the benchmark smoke test whose
-# section 8 runs on the lab). See tests/cluster/README.md.
+# teardown of its last test marked ``lab``: the cluster lane, whose test_cluster_benchmark.py runs the
+# benchmark's section 8 there (the kernel lane's smoke test runs the rest with --no-cluster).
+# See tests/cluster/README.md.
 def uses_lab(item: pytest.Item | None) -> bool:
     return item is not None and item.get_closest_marker("lab") is not None
 

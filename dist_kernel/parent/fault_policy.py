@@ -1,14 +1,20 @@
 """Fault policy: what to do about ranks that have not finished a cell. Pure: no I/O, no clock.
 
 The kernel feeds in what it knows (which ranks are busy, finished, dead or stopped, where
-each busy rank waits, the time) and gets back a decision. The rules:
+each busy rank waits, the time) and gets back a decision. The rules (the one copy: the
+"Faults" section of docs/architecture.md lists their numbers and titles, held to these by
+``tests/unit/test_docs.py``):
 
 1. **Dead peer.** A rank of the group died while others are busy: tear the group down on
    the survivors, once, so that those blocked in a collective with the dead rank raise at
    once; the others are not stopped (a rank that computes finishes, or raises at its next
-   collective), and every survivor keeps its variables. After the cell (:func:`after_cell`)
-   the dead rank is started anew (``%dist_respawn``, or at once with ``--respawn on``), unless
-   it keeps dying (:func:`keeps_dying`).
+   collective), and every survivor keeps its variables. A survivor's error that is only gloo's
+   word for a lost peer (``pair.cc``, "Connection closed by peer") is shown as the death
+   (:func:`broken_by_a_death`). After the cell (:func:`after_cell`) the dead rank is started
+   anew (``%dist_respawn``, or at once with ``--respawn on``: ``parent/membership.py``), unless
+   it died three times within a minute (:func:`keeps_dying`). Across machines a rank that
+   exited is one rank's death the same way (its agent starts it anew); a lost node, an ending
+   agent or a cancelled job still take the gang (rule 6).
 2. **Waiting for an idle rank.** A busy rank blocked in a collective whose group holds a rank
    that is idle (finished the cell, or not selected by ``%%rank``) waits for a rank that will
    never come. So does a busy rank in ``backward()`` whose default group has started more
@@ -20,9 +26,10 @@ each busy rank waits, the time) and gets back a decision. The rules:
    point-to-point calls included, so ranks that sent to each other in earlier cells are ahead
    of a third for good: only a rank in ``backward()`` or in such a call is judged by it (the
    count keeps a rank that only computes there, such as a checkpoint written by rank 0 alone
-   with ``no_dist=True``, from being taken for a blocked one). Once
-   every busy rank is blocked in one of these ways, and at least one of them waits for an idle
-   rank, tear the group down on every rank: the blocked ones raise at once.
+   with ``no_dist=True``, from being taken for a blocked one). Once every busy rank is blocked
+   in one of these ways, and at least one of them waits for an idle rank, tear the group down
+   on every rank: the blocked ones raise at once (on the idle ranks alone, at 4 ranks a rank
+   freed by an idle one kept its connection to another busy one, which waited on it for good).
    Grace: ``hang_grace`` after the first rank finished (or after the start, when ``%%rank``
    left ranks out), 1 s when a finished rank failed.
 3. **Mismatched collectives.** Every busy rank is blocked, none is idle, the calls cannot
@@ -35,39 +42,44 @@ each busy rank waits, the time) and gets back a decision. The rules:
    compared only now); or when a rank blocked in a collective torch started in C++ (DDP's
    forward, ``backward()``) has started at least as many collectives on a group as the one
    another rank is blocked in from Python there (a ``barrier``: accelerate's
-   ``join_uneven_inputs``).
+   ``join_uneven_inputs``). A C++ rank that started fewer may still be computing, and is
+   waited for.
 4. **Interrupt.** One second after the stop button, ranks still blocked in a collective, or in
    a C++ call of torch's distributed code, did not react to SIGINT (C++ does not return to
    Python): tear the group down on every rank.
    Five seconds after it, ranks still running the cell's code are left behind so that the cell
    ends; a rank whose code has stopped and that is still formatting its traceback (slow on a
    loaded machine) is waited for, up to half a minute.
-5. **Stopped or silent ranks** (SIGSTOP, a debugger, C code holding the GIL) are named (a silent
-   one once it missed two looks in a row: one miss is a loaded machine); the group is left
-   alone, since resuming the rank may resume the cell.
-6. **Ranks on other machines** (:func:`remote_culprit`). One fault there sets off others: a
-   killed agent makes a Slurm step SIGTERM the agents on the other nodes; a cancelled job ends the step.
-   The kernel collects what it hears for a moment (:func:`settle_for`) and names the most
-   specific cause: a rank that exited by itself or was killed (the OOM killer), then a node that fell silent, then
-   what the node starter said as it ended, then an agent's own word that it is ending
-   (SIGTERM), then a rank that was terminated (cancelling a job signals every process of the step); the
-   earliest within a kind.
-   The ranks on every node are then stopped.
-7. **A rank at a breakpoint** (JupyterLab's debugger, ``%dist_debug``): while the debugged rank
-   is stopped there, the others wait for it as they would under a debugger in torchrun; the
-   kernel does not look, judge or call anyone stuck until it goes on, a rank dies or stop is
-   pressed.
+5. **Stopped or silent ranks.** Ranks stopped (SIGSTOP, a debugger) or silent (C code holding
+   the GIL) are named (a silent one once it missed two looks in a row: one miss is a loaded
+   machine); the group is left alone, since resuming the rank may resume the cell.
+6. **Ranks on other machines.** One fault there sets off others: a killed agent makes a Slurm
+   step SIGTERM the agents on the other nodes; a cancelled job ends the step. The kernel
+   (``parent/gang_fault.py``) collects what it hears for a moment (:func:`settle_for`) and
+   names the most specific cause (:func:`remote_culprit`): a rank that exited by itself or was
+   killed (the OOM killer), then a node that fell silent, then what the node starter said as it
+   ended, then an agent's own word that it is ending (SIGTERM), then a rank that was terminated
+   (cancelling a job signals every process of the step); the earliest within a kind. The ranks
+   on every node are then stopped.
+7. **A rank at a breakpoint.** While the rank that JupyterLab's debugger debugs
+   (``%dist_debug``) is stopped there, the others wait for it as they would under a debugger in
+   torchrun; the kernel does not look, judge or call anyone stuck until it goes on, a rank dies
+   or stop is pressed.
 8. **NCCL stalls.** NCCL starts each collective asynchronously: a rank whose peer never enters
    one does not block in it, but later, in a CUDA synchronisation (``loss.item()``), with no
-   torch.distributed call on the stack. Its ``where`` then names that wait (``cuda_wait``) and
-   the collectives torch's flight recorder holds as pending (``pending``). A pending collective
-   of the default group whose sequence number is above an idle member's count (``group_seq``:
-   on NCCL, collectives alone, as the recorder numbers them) is one that rank never entered:
-   the busy rank is blocked as in rule 2, and judged with its grace. An idle rank that did enter
-   it (its GPU still on its way there) is waited for. NCCL frees a waiting GPU only when the
-   rank aborts its own communicators, so the group is torn down on every rank; the error names
-   each rank's pending collectives and the tensors that may hold a partial result (their
-   outputs, by dtype and shape). A pending point-to-point call, or one on another group, is not
+   torch.distributed call on the stack. On NCCL ranks torch's flight recorder is on
+   (``rank/nccl.py``, a 64-entry buffer); a rank's ``where`` then names that wait
+   (``cuda_wait``, and in ``native``, so that the parent asks the idle ranks' ``group_seq`` as
+   for DDP) and the collectives the recorder holds as pending (``pending``, read from its JSON
+   dump). A pending collective of the default group whose sequence number is above an idle
+   member's count (``group_seq``: on NCCL, collectives alone, as the recorder numbers them) is
+   one that rank never entered: the busy rank is blocked as in rule 2, and judged with its
+   grace. An idle rank that did enter it (its GPU still on its way there) is waited for. NCCL
+   frees a waiting GPU only when the rank aborts its own communicators, so the group is torn
+   down on every rank (``teardown`` on an NCCL rank: ``_abort_process_group``, then the cell
+   stops with ``GroupAborted`` once its CUDA synchronisation returns); the error names each
+   rank's pending collectives and the tensors that may hold a partial result (their outputs,
+   by dtype and shape). A pending point-to-point call, or one on another group, is not
    judged (idle ranks report the default group's count alone); the stop button frees it all the
    same (rule 4: the CUDA wait counts as a C++ call of torch's distributed code).
 

@@ -44,7 +44,7 @@ def options(ranks: int) -> list[str]:
     """The kernel's options for ``ranks`` ranks on this shared 2-core machine. Ranks that print the
     same line at the end of a computation (building the model, a fit) print it up to a second apart
     when the cores are oversubscribed (4 ranks on 2 cores; 2 ranks at a load average of 20 from the
-    other jobs here): the merge window is widened, as the README says to on such a machine, so that
+    other jobs here): the merge window is widened, as docs/output.md says to on such a machine, so that
     these tests check what is merged, not how long the default window waits."""
     return ["--ranks", str(ranks), "--merge-window-ms", "1500"]
 

@@ -12,8 +12,8 @@ Python package):
   cell's gutter, the cell stopped there with rank 1's variables in the debugger's Variables panel,
   continue, and the cell's merged output.
 
-Screenshots land in the ``artifacts`` dir; with ``DIST_KERNEL_UPDATE_DOCS=1`` the README's pictures
-``docs/jupyterlab.png`` and ``docs/debugger.png`` are refreshed from them.
+Screenshots land in the ``artifacts`` dir; with ``DIST_KERNEL_UPDATE_DOCS=1`` the docs' pictures
+``docs/jupyterlab.png`` (the README's) and ``docs/debugger.png`` (docs/ranks.md's) are refreshed from them.
 
 Needs ``/usr/bin/chromium``, ``playwright`` and ``jupyterlab`` (``.ci/install-browser.sh``): when
 they are missing the test fails, it does not skip.
@@ -338,7 +338,7 @@ def _open_notebook(page, server: Lab, url: str) -> float:
 
 
 def _update_docs(shot: Path, name: str) -> None:
-    """Refresh the README's picture ``docs/<name>`` from ``shot``, on request only."""
+    """Refresh the docs' picture ``docs/<name>`` from ``shot``, on request only."""
     if os.environ.get("DIST_KERNEL_UPDATE_DOCS"):
         (REPO / "docs").mkdir(exist_ok=True)
         shutil.copyfile(shot, REPO / "docs" / name)

@@ -323,7 +323,7 @@ def test_rank_cells_errors_input_the_stop_button_and_widgets_run_from_the_server
             measured["sliders_after_reload"] = _sliders(page, 5)
             measured["output_after_reload"] = _output(page, 5).strip()[:200]
             page.screenshot(path=str(shots / "widget-after-reload.png"))
-            assert measured["sliders_after_reload"] == 1, measured  # from the kernel: README says so
+            assert measured["sliders_after_reload"] == 1, measured  # from the kernel: docs/output.md says so
 
             # input() waiting while the page reloads: the reopened page asks again (output recovery)
             _run_cell(page, 6, "late = input('again? ')\nprint('late', late)")
