@@ -24,6 +24,7 @@ from dist_kernel.parent import membership_words as words
 from dist_kernel.parent.fault_policy import keeps_dying
 
 if TYPE_CHECKING:
+    from dist_kernel.parent.launch.base import RankHandle
     from dist_kernel.parent.supervisor import RankSupervisor
 
 
@@ -81,6 +82,19 @@ async def _abandon(sup: RankSupervisor, ranks: list[int]) -> None:
         with contextlib.suppress(Exception):
             await rk.process.kill()
         sup.launcher.died(rk.process)
+        await _gone(rk.process)
+
+
+async def _gone(process: RankHandle, timeout: float = 10.0) -> None:
+    """Wait (bounded) until a killed rank process has exited: the error that says it was ended
+    must be true when the user reads it, and a process paging in libtorch on a busy machine can
+    take seconds to act on SIGKILL."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if await process.poll() is not None:
+                return
+        await asyncio.sleep(0.05)
 
 
 async def resize(sup: RankSupervisor, n: int) -> tuple[list[int], list[int]]:
