@@ -43,6 +43,7 @@ from traitlets import Type
 
 from dist_kernel.cleanup import SOCKET_PATH_MAX, make_runtime_dir, owner_pid
 from dist_kernel.kernelspec import kernel_json
+from dist_kernel.output_kinds import KINDS, Text
 from dist_kernel.parent.merge import strip_ansi
 from dist_kernel.protocol import META_LIVE, meta_of, with_meta
 from dist_kernel.statusline import StatusLine
@@ -189,7 +190,8 @@ class _LiveClient(NotebookClient):
                 continue
             if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
                 break
-            if msg["msg_type"] == "stream" and not msg["content"].get("text", "").startswith("dist_top:"):
+            kind = KINDS.get(msg["msg_type"])
+            if kind is not None and kind.text is Text.STREAM and not msg["content"].get("text", "").startswith("dist_top:"):
                 self._show(msg)  # the kernel's notes while the ranks start; an error shows with the cell
         await self.async_wait_for_reply(msg_id)
 

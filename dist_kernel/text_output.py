@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dist_kernel.output_kinds import KINDS, OutputKind, Text
 from dist_kernel.parent.merge import render_cr, strip_ansi
 
 #: seconds between two frames of a display or ``\\r`` line that is redrawn in place
@@ -34,12 +35,19 @@ REDRAW_EVERY = 10.0
 DISPLAYS_KEPT = 256
 
 #: text for one stream: ("stdout" or "stderr", text)
-Text = tuple[str, str]
+Out = tuple[str, str]
+#: the values of the table's ``text`` column, as globals: faster than off the class
+_STREAM, _PLAIN, _FRAME, _TRACEBACK, _NONE = Text.STREAM, Text.PLAIN, Text.FRAME, Text.TRACEBACK, Text.NONE
 
 
 def is_top(msg: dict) -> bool:
     """Is this IOPub message ``%dist_top``'s table (see ``parent/top.py``: ``META``)?"""
-    return msg.get("msg_type") in ("display_data", "update_display_data") and is_top_content(msg.get("content", {}))
+    return _is_top(KINDS.get(msg.get("msg_type", "")), msg.get("content", {}))
+
+
+def _is_top(kind: OutputKind | None, content: dict) -> bool:
+    """%dist_top's table is a display (its text/plain), shown and then updated in place."""
+    return kind is not None and (kind.text is _PLAIN or kind.text is _FRAME) and is_top_content(content)
 
 
 def is_top_content(content: dict) -> bool:
@@ -91,29 +99,31 @@ class TextOutput:
         self.at_line_start = True
 
     # ------------------------------------------------------------------ input
-    def feed(self, msg_type: str, content: dict) -> list[Text]:
+    def feed(self, msg_type: str, content: dict) -> list[Out]:
         """The text of one output (and of frames that came due before it)."""
-        out: list[Text] = []
-        if msg_type in ("display_data", "update_display_data") and is_top_content(content):
+        out: list[Out] = []
+        kind = KINDS.get(msg_type)
+        how = kind.text if kind is not None else _NONE
+        if _is_top(kind, content):
             return out
-        if msg_type == "update_display_data":
+        if how is _FRAME:
             self._update(out, content)
-        elif msg_type in ("stream", "display_data", "execute_result", "error"):
+        elif how is not _NONE:
             # shown after the last frame of what is redrawn: a bar that ended before a print
             # shows its end before the print, as in the notebook
             self._behind(out)
-            self._output(out, msg_type, content)
+            self._output(out, how, content)
         self._due(out)  # after the output: its own newest frame is not due as an older one
         return out
 
-    def _output(self, out: list[Text], msg_type: str, content: dict) -> None:
-        if msg_type == "stream":
+    def _output(self, out: list[Out], how: Text, content: dict) -> None:
+        if how is _STREAM:
             name = "stderr" if content.get("name") == "stderr" else "stdout"
             if self.keep_cr:
                 self._add(out, name, content.get("text", ""))
             else:
                 self._stream(out, name, content.get("text", ""))
-        elif msg_type == "error":
+        elif how is _TRACEBACK:
             self._add_lines(out, "stderr", strip_ansi("\n".join(content.get("traceback", []))))
         else:
             text = _plain(content)
@@ -123,15 +133,15 @@ class TextOutput:
             if text:
                 self._add_lines(out, "stdout", text)
 
-    def tick(self) -> list[Text]:
+    def tick(self) -> list[Out]:
         """Frames that came due: redrawn things whose newest frame waited long enough."""
-        out: list[Text] = []
+        out: list[Out] = []
         self._due(out)
         return out
 
-    def finish(self) -> list[Text]:
+    def finish(self) -> list[Out]:
         """The cell ended: the last frame of everything redrawn."""
-        out: list[Text] = []
+        out: list[Out] = []
         self._behind(out)
         for name, line in self.lines.items():
             if line.frames is not None and line.frames.behind:
@@ -146,16 +156,16 @@ class TextOutput:
         return line
 
     # --------------------------------------------------------------- helpers
-    def _add(self, out: list[Text], name: str, text: str) -> None:
+    def _add(self, out: list[Out], name: str, text: str) -> None:
         if text:
             out.append((name, text))
             self.at_line_start = text.endswith("\n")
 
-    def _add_lines(self, out: list[Text], name: str, text: str) -> None:
+    def _add_lines(self, out: list[Out], name: str, text: str) -> None:
         """``text`` on lines of its own, after a line that was left open."""
         self._add(out, name, ("" if self.at_line_start else "\n") + text + "\n")
 
-    def _frame(self, out: list[Text], name: str, frames: _Frames) -> None:
+    def _frame(self, out: list[Out], name: str, frames: _Frames) -> None:
         frames.written, frames.at = frames.latest, self.clock()
         self._add_lines(out, name, frames.latest)
 
@@ -164,7 +174,7 @@ class TextOutput:
         """Is a frame waiting to come due?"""
         return bool(self.waiting) or any(line.frames is not None and line.frames.behind for line in self.lines.values())
 
-    def _due(self, out: list[Text]) -> None:
+    def _due(self, out: list[Out]) -> None:
         now = self.clock()
         for display_id, frames in list(self.waiting.items()):
             if now - frames.at >= self.redraw_every:
@@ -174,7 +184,7 @@ class TextOutput:
             if line.frames is not None and line.frames.behind and now - line.frames.at >= self.redraw_every:
                 self._frame(out, name, line.frames)
 
-    def _behind(self, out: list[Text]) -> None:
+    def _behind(self, out: list[Out]) -> None:
         for frames in self.waiting.values():
             self._frame(out, "stdout", frames)
         self.waiting.clear()
@@ -186,7 +196,7 @@ class TextOutput:
         while len(self.displays) > DISPLAYS_KEPT:
             self.waiting.pop(self.displays.popitem(last=False)[0], None)
 
-    def _update(self, out: list[Text], content: dict) -> None:
+    def _update(self, out: list[Out], content: dict) -> None:
         display_id = (content.get("transient") or {}).get("display_id")
         if not display_id:
             return
@@ -203,7 +213,7 @@ class TextOutput:
         else:
             self.waiting[display_id] = frames
 
-    def _stream(self, out: list[Text], name: str, text: str) -> None:
+    def _stream(self, out: list[Out], name: str, text: str) -> None:
         """Stream text with its ``\\r`` lines as lines (see the module doc)."""
         line = self.lines.setdefault(name, _OpenLine())
         if line.frames is None and "\r" not in text:  # plain text (nearly all of it): as it is

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: the messages that add an output to the cell
-ADDING = frozenset({"display_data", "stream", "execute_result", "error"})
+from dist_kernel.output_kinds import KINDS, Merge, Shows
 
 
 @dataclass(frozen=True)
@@ -51,24 +50,26 @@ class CellDisplays:
     clear_pending: bool = False
 
     def step(self, msg_type: str, content: dict) -> Step:
-        """What to do with a message of type ``msg_type`` for this cell."""
-        if msg_type == "clear_output":
+        """What to do with a message of type ``msg_type`` for this cell (its row's ``shows``)."""
+        kind = KINDS.get(msg_type)
+        shows = kind.shows if kind is not None else Shows.NONE
+        if shows is Shows.CLEAR:
             if content.get("wait"):
                 self.clear_pending = True  # cleared by the next output, as in a browser
                 return Step()
             self._cleared()
             return Step(forward=True)
-        if msg_type == "update_display_data":
+        if shows is Shows.UPDATE:
             display_id = _display_id(content)
             if display_id is None or display_id not in self.places:
                 return Step()  # a display of another cell, or none: nothing of this cell shows it
             return Step(replace=(display_id, _display_output(content)))
-        if msg_type not in ADDING:
+        if kind is None or shows is not Shows.ADD:
             return Step(forward=True)
         clear_first = self.clear_pending
         if clear_first:
             self._cleared()
-        remember = _display_id(content) if msg_type in ("display_data", "execute_result") else None
+        remember = _display_id(content) if kind.merge is Merge.RICH else None  # a display id is a rich output's
         return Step(clear_first=clear_first, forward=True, remember=remember)
 
     def remember(self, display_id: str, place: Place) -> None:

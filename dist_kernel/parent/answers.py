@@ -25,8 +25,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-#: outputs nbclient puts into a capturing widget, each answered with the widget's new outputs
-CAPTURED = frozenset({"stream", "display_data", "execute_result", "error"})
+from dist_kernel.output_kinds import KINDS, Shows
+
+# what nbclient answers inside a capture: an output it adds to the widget, or a clear that does
+# not wait (its row's ``shows``, :mod:`dist_kernel.output_kinds`)
+_ADD, _CLEAR = Shows.ADD, Shows.CLEAR
 #: how long a reply waits for the first answer of a frontend not yet heard to answer (seconds)
 FIRST_ANSWER = 1.0
 #: how long a reply waits for the next answer of a frontend that answers (seconds)
@@ -70,14 +73,17 @@ class CaptureAnswers:
         cell = self._cells.get(request.get("header", {}).get("msg_id", "")) if request else None
         if cell is None:
             return
-        if msg_type == "comm_msg":
+        kind = KINDS[msg_type] if msg_type in KINDS else None
+        if kind is None:
+            return
+        if kind.capture:
             state = _state(content)
             if state is not None and "msg_id" in state:  # an Output widget starts or stops capturing
                 if state["msg_id"] == request["header"]["msg_id"]:
                     cell.capturing.add(str(content.get("comm_id")))
                 else:
                     cell.capturing.discard(str(content.get("comm_id")))
-        elif cell.capturing and (msg_type in CAPTURED or (msg_type == "clear_output" and not content.get("wait"))):
+        elif cell.capturing and (kind.shows is _ADD or (kind.shows is _CLEAR and not content.get("wait"))):
             cell.sent += 1
 
     def answered(self, msg: dict) -> None:

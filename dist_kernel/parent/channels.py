@@ -35,6 +35,7 @@ from jupyter_client.session import DELIM, Session
 
 from dist_kernel import protocol
 from dist_kernel.exceptions import RankDiedError, RankRequestError
+from dist_kernel.output_kinds import KINDS
 from dist_kernel.parent.wire import SocketWire, Wire
 
 IOPubHandler = Callable[[dict], None]
@@ -52,7 +53,8 @@ _last_stream: list = [b"", None]  # the last large stream content: its bytes, de
 def _content(msg_type: str, raw: bytes) -> dict:
     """The content of an IOPub message. Identical output of N ranks (a large print on every
     rank) is decoded once: the content is read-only downstream (merging copies what it changes)."""
-    if msg_type != "stream" or len(raw) < _SHARED_ABOVE:
+    kind = KINDS.get(msg_type) if len(raw) >= _SHARED_ABOVE else None
+    if kind is None or not kind.lines:  # a flood of one large print: stream text
         return json.loads(raw)
     if raw == _last_stream[0]:
         return _last_stream[1]

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dist_kernel.exceptions import RankDiedError
+from dist_kernel.output_kinds import COMM_TYPES, KINDS, Route
 from dist_kernel.parent.answers import CaptureAnswers
 from dist_kernel.parent.merge import label_lines, unmarked
 from dist_kernel.parent.merge.captures import sets_capture
@@ -41,10 +42,6 @@ if TYPE_CHECKING:
 
 #: how many request ids are remembered for translation
 _RECENT = 256
-#: comm messages (widgets): not in the base Kernel's message types, never merged
-COMM_TYPES = ("comm_open", "comm_msg", "comm_close")
-#: IOPub message types that are cell outputs
-OUTPUT_TYPES = {"stream", "display_data", "execute_result", "update_display_data", "clear_output", "error"}
 
 #: publishes on the frontend's IOPub: (parent request, msg_type, content, metadata, buffers)
 Publish = Callable[[dict, str, dict, "dict | None", "list | None"], None]
@@ -144,11 +141,14 @@ class CommRouter:
         """Output of a comm callback (a widget's on_click), labelled with its rank when
         ``labelled`` (more than one rank)."""
         msg_type = msg["header"]["msg_type"]
-        if msg_type in COMM_TYPES:
+        kind = KINDS.get(msg_type)
+        if kind is None:
+            return
+        if kind.route is Route.COMM:
             self.relay(rank, msg, parent)
-        elif msg_type in OUTPUT_TYPES:
+        elif kind.route is Route.OUTPUT:
             content = unmarked(msg_type, msg["content"])
-            if msg_type == "stream" and labelled:
+            if kind.lines and labelled:
                 content = dict(content, text=label_lines(content.get("text", ""), [rank]))
             self.publish(parent, msg_type, content, None, None)
 

@@ -32,11 +32,11 @@ from ipykernel.kernelbase import Kernel
 
 from dist_kernel import __version__
 from dist_kernel.options import KernelConfig
+from dist_kernel.output_kinds import KINDS, Text
 from dist_kernel.parent.log_file import RotatingFile, log_path, prune
 from dist_kernel.text_output import TextOutput, rule
 
-#: what the log records of what the kernel publishes
-OUTPUT_TYPES = frozenset({"stream", "display_data", "update_display_data", "execute_result", "error"})
+_NO_TEXT = Text.NONE  # what the log leaves out (a clear, comms): written as no text (output_kinds)
 #: outputs queued for the writer beyond which more are left out of the log (a disk that stalls)
 MAX_QUEUED = 20_000
 #: cells whose later output (a thread's, after the cell ended) is still put under their number
@@ -189,7 +189,7 @@ class OutputLog:
 
     def output(self, request: dict, msg_type: str, content: dict) -> None:
         q = self._queue
-        if q is None or msg_type not in OUTPUT_TYPES:
+        if q is None or msg_type not in KINDS or KINDS[msg_type].text is _NO_TEXT:
             return
         if q.qsize() >= MAX_QUEUED:
             self.dropped += 1

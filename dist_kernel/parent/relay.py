@@ -24,19 +24,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dist_kernel import protocol
-from dist_kernel.parent.comms import COMM_TYPES, OUTPUT_TYPES
+from dist_kernel.output_kinds import IN_ORDER, KINDS, Route
 from dist_kernel.parent.merge import CellMerger, DisplayRegistry, merge_errors
+from dist_kernel.parent.merge.captures import sets_capture
 from dist_kernel.parent.throttle import OutputBudget, StreamThrottle
 
 #: how often held output is looked at while a request runs
 TICK = 0.05
 #: ready output is published at once, but at most once per MIN_FLUSH (keeps the message rate low)
 MIN_FLUSH = 0.01
-#: the merger's name for a comm message it keeps in order with the outputs
-IN_ORDER = "dist_kernel.in_order"
 #: a rank whose reply came but whose ``idle`` did not, and that sent nothing for this long,
 #: is finished all the same: a lost message never leaves a cell waiting forever
 IDLE_LOST_AFTER = 3.0
+_OUTPUT, _COMM, _IN_ORDER = Route.OUTPUT, Route.COMM, Route.IN_ORDER  # globals: faster than off the class
 
 Publish = Callable[[str, dict], None]
 #: a comm message of a rank, to the frontend (``CommRouter.relay`` bound to the request)
@@ -105,11 +105,14 @@ class OutputRelay:
         :meth:`on_iopub` of each: decoded and checked once on its way here; an output goes to
         the merger for each rank, which settles once for them."""
         msg_type = msg["header"]["msg_type"]
-        if msg_type not in OUTPUT_TYPES or msg_type == "execute_result" or self.closed:
+        kind = KINDS[msg_type] if msg_type in KINDS else None  # no method call: cheaper than .get
+        if kind is None or kind.route is not _OUTPUT or self.closed:
             for rank in ranks:  # status, comms, late output: as they come one by one
                 self.on_iopub(rank, msg)
             return
         now, content, sent = self.clock(), msg["content"], msg.get("sent")
+        if kind.numbered:
+            content = dict(content, execution_count=self.execution_count)
         for rank in ranks:
             self._heard[rank] = now
             self._got[rank] = self._got.get(rank, 0) + 1
@@ -122,20 +125,13 @@ class OutputRelay:
     def _on_iopub(self, rank: int, msg: dict) -> None:
         msg_type = msg["header"]["msg_type"]
         content = msg["content"]
-        if msg_type in COMM_TYPES:
-            if _capture_change(msg_type, content) and not self.closed:
-                # an Output widget starts or stops capturing: what the rank printed before
-                # must reach the frontend before the widget's state changes
-                self.merger.add_in_order(rank, IN_ORDER, {"rank": rank, "msg": msg}, self.clock())
-            elif self.relay_comm is not None:
-                self.relay_comm(rank, msg)
-            return
-        if msg_type == "status":
-            if content.get("execution_state") == "idle":
+        kind = KINDS[msg_type] if msg_type in KINDS else None  # its row: where it goes (``route``)
+        if kind is None:
+            if msg_type == "status" and content.get("execution_state") == "idle":
                 self.idle.add(rank)
                 self._check(rank)
-        elif msg_type in OUTPUT_TYPES:
-            if msg_type == "execute_result":
+        elif kind.route is _OUTPUT:
+            if kind.numbered:
                 content = dict(content, execution_count=self.execution_count)
             if self.closed:
                 # printed after the cell ended (a background thread): publish it as it comes,
@@ -152,6 +148,13 @@ class OutputRelay:
                 self._settled()
             else:
                 self._settle_later(loop)
+        elif kind.route is _COMM:
+            if sets_capture(msg_type, content) and not self.closed:
+                # an Output widget starts or stops capturing: what the rank printed before
+                # must reach the frontend before the widget's state changes
+                self.merger.add_in_order(rank, IN_ORDER, {"rank": rank, "msg": msg}, self.clock())
+            elif self.relay_comm is not None:
+                self.relay_comm(rank, msg)
 
     def _settle_later(self, loop: asyncio.AbstractEventLoop) -> None:
         """Settle the merger at the end of this turn of the loop: what else arrives in it (a
@@ -239,7 +242,7 @@ class OutputRelay:
 
     def _publish_merged(self) -> None:
         for msg_type, content in self.merger.take():
-            if msg_type == IN_ORDER:
+            if KINDS[msg_type].route is _IN_ORDER:  # {"rank": r, "msg": a comm message}, in its place
                 if self.relay_comm is not None:
                     self.relay_comm(content["rank"], content["msg"])
             else:
@@ -311,9 +314,3 @@ class OutputRelay:
                     self.idle.add(rank)
                     self._check(rank)
 
-
-def _capture_change(msg_type: str, content: dict) -> bool:
-    """Does this comm message start or stop an ipywidgets ``Output`` capture?"""
-    data = content.get("data") or {}
-    state = data.get("state") if isinstance(data, dict) else None
-    return msg_type == "comm_msg" and isinstance(state, dict) and "msg_id" in state

@@ -9,7 +9,8 @@ the frontend: stream text as it is, rich outputs as their ``text/plain``. The fr
 once where the file is; when the cell ends it learns how much was not shown and gets the
 cell's last lines (bounded in bytes) and the newest state of every display updated meanwhile.
 A cell's result and its errors are never held back: they are what the user asked for, and
-one message each (see :data:`ALWAYS`). No stream message is longer than :data:`MAX_MESSAGE` bytes.
+one message each. How each kind of output is counted is its row's ``budget`` in
+:mod:`dist_kernel.output_kinds`. No stream message is longer than :data:`MAX_MESSAGE` bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TextIO
+
+from dist_kernel.output_kinds import KINDS, Budget, Shows, Text
 
 Publish = Callable[[str, dict], None]
 
@@ -33,11 +36,8 @@ TAIL_BYTES = 16_384  # ... at most this many bytes of them per stream
 TAIL_LINE_CHARS = 2_000  # a longer last line is cut, saying how much of it is in the file
 MAX_FINAL_UPDATES = 100  # displays whose newest state is shown when a flood ends
 
-#: the messages the budget counts; anything else (comms, status) is not cell output
-THROTTLED = ("stream", "display_data", "execute_result", "update_display_data", "error", "clear_output")
-#: always sent, even past the budget: while a spill lasts they wait for its end (after the
-#: notice and the last lines, where a plain kernel would show them: after the cell's prints)
-ALWAYS = ("execute_result", "error")
+# the values of the table's ``budget`` column, as globals: faster than off the class
+_TEXT, _CLEAR, _ALWAYS, _FREE = Budget.TEXT, Budget.CLEAR, Budget.ALWAYS, Budget.FREE
 
 
 def _nbytes(text: str) -> int:
@@ -139,20 +139,23 @@ class StreamThrottle:
         self._updates: OrderedDict[str, dict] = OrderedDict()  # display_id -> newest update not shown
 
     def publish(self, msg_type: str, content: dict) -> None:
-        if msg_type not in THROTTLED:
+        budget = KINDS[msg_type].budget if msg_type in KINDS else _FREE  # no method call: cheaper than .get
+        if budget is _FREE:  # comms, statuses: not cell output
             self._publish(msg_type, content)
             return
         b = self.budget
         b.refill()
         if self.spilling and self.closed and b.full:
             self._end_spill()  # late output slowed down: show it again
-        if msg_type in ALWAYS:
+        if budget is _ALWAYS:
+            # sent even past the budget: while a spill lasts it waits for its end (after the
+            # notice and the last lines, where a plain kernel shows it: after the cell's prints)
             self._always(msg_type, content)
             return
         if self.spilling:
             self._divert(msg_type, content)
             return
-        if msg_type != "stream":
+        if budget is not _TEXT:
             if b.msgs >= 1:
                 b.spend()
                 self._publish(msg_type, content)
@@ -216,10 +219,11 @@ class StreamThrottle:
             self._close_file()  # late output may never end: keep no file open between messages
 
     def _divert(self, msg_type: str, content: dict) -> None:
-        if msg_type == "clear_output":
+        kind = KINDS[msg_type]
+        if kind.budget is _CLEAR:
             self._tails.clear()  # a frontend would show only what follows it
             return
-        if msg_type == "stream":
+        if kind.budget is _TEXT:
             text = content["text"]
             name = content["name"]
             self.skipped_bytes += _nbytes(text)
@@ -234,7 +238,7 @@ class StreamThrottle:
             self.skipped_outputs += 1
             text = _as_text(msg_type, content)
             display_id = (content.get("transient") or {}).get("display_id")
-            if msg_type == "update_display_data" and display_id:
+            if kind.shows is Shows.UPDATE and display_id:
                 self._updates[display_id] = content
                 self._updates.move_to_end(display_id)
                 while len(self._updates) > MAX_FINAL_UPDATES:
@@ -303,7 +307,7 @@ def not_shown_note(lines: int, nbytes: int, outputs: int, spill_path: str | None
 
 def _as_text(msg_type: str, content: dict) -> str:
     """A rich output, as the spill file holds it: its text, one line, or delimited if longer."""
-    if msg_type == "error":
+    if KINDS[msg_type].text is Text.TRACEBACK:
         text = f"{content.get('ename')}: {content.get('evalue')}"
     else:
         text = str((content.get("data") or {}).get("text/plain", f"<{msg_type} without text/plain>"))

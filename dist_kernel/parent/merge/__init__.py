@@ -57,11 +57,11 @@ from dist_kernel.parent.merge.alignment import DIVERGE_AFTER, LAG_BOUND
 from dist_kernel.parent.merge.cell import ERROR_HOLD, CellMerger
 from dist_kernel.parent.merge.errors import merge_errors, strip_ansi
 from dist_kernel.parent.merge.labels import label, label_lines, namespaced_display_id, unmarked
-from dist_kernel.parent.merge.rendering import RICH_TYPES, WIDGET_VIEW, DisplayRegistry, Emit
+from dist_kernel.parent.merge.rendering import WIDGET_VIEW, DisplayRegistry, Emit
 from dist_kernel.parent.merge.units import SIZE_RATE, render_cr, split_units
 
 __all__ = [
-    "DIVERGE_AFTER", "ERROR_HOLD", "LAG_BOUND", "RICH_TYPES", "SIZE_RATE", "WIDGET_VIEW", "CellMerger",
+    "DIVERGE_AFTER", "ERROR_HOLD", "LAG_BOUND", "SIZE_RATE", "WIDGET_VIEW", "CellMerger",
     "DisplayRegistry", "Emit", "label", "label_lines", "merge_errors", "namespaced_display_id", "render_cr",
     "split_units", "strip_ansi", "unmarked",
 ]

@@ -49,7 +49,7 @@ def _soft(head: Item, other: Item) -> bool:
         return False
     if other.branch:
         return True
-    return (head.kind == "stream" and other.kind == "stream"
+    return (head.kind.lines and other.kind.lines
             and head.content["name"] != other.content["name"])
 
 
@@ -182,7 +182,7 @@ class Aligner(RankQueues):
                 continue
             group = [q for q in by_key[queues[r][0].key] if q not in popped]
             head = _slowest([queues[q][0] for q in group])
-            if group == [r] and head.kind == "stream" and not self._render.area_ranks:
+            if group == [r] and head.kind.lines and not self._render.area_ranks:
                 self._pop_own_run(r, now, final)
                 popped.add(r)
                 continue
@@ -260,14 +260,14 @@ class Aligner(RankQueues):
             return False
         if self._soft_at.get((place, "branch")):
             return True
-        return head.kind == "stream" and bool(self._soft_at.get((place, _OTHER.get(head.content["name"]))))
+        return head.kind.lines and bool(self._soft_at.get((place, _OTHER.get(head.content["name"]))))
 
     def _beside(self, head: Item, place: int) -> bool:
         """Is ``head``, published without twins, a line given beside another rank's line of the
         other stream at its place? Then it is an extra, as a diff sees it, not what the rank gave
         instead of that line (a rank's stdout and stderr are sent apart: their order between
         each other is not the one they were written in), and takes no place."""
-        other = _OTHER.get(head.content["name"]) if head.kind == "stream" else None
+        other = _OTHER.get(head.content["name"]) if head.kind.lines else None
         return other is not None and bool(self._streams_at.get((place, other)))
 
     def _differed(self, rank: int) -> None:
@@ -285,10 +285,10 @@ class Aligner(RankQueues):
         queue = self._queues[rank]
         name = queue[0].content["name"]
         texts: list[str] = []
-        cr, captured = queue[0].cr, queue[0].captured
+        kind, cr, captured = queue[0].kind, queue[0].cr, queue[0].captured
         while queue:
             item = queue[0]
-            if item.kind != "stream" or item.content["name"] != name or item.held or (texts and (
+            if not item.kind.lines or item.content["name"] != name or item.held or (texts and (
                     self._holders[item.key] > 1 or item.cr != cr or item.captured != captured)):
                 # an item with a twin queued is published with it, not in this run; a progress
                 # state is drawn on its bar, and what a widget captured goes inside it, apart
@@ -300,7 +300,7 @@ class Aligner(RankQueues):
             if due == _DIFFERS and not extra:
                 self._differed(rank)
             texts.append(self._pop(rank, place=not extra).content["text"])
-        self._emit(Item("stream", None, {"name": name, "text": "".join(texts)}, now, cr=cr, captured=captured), [rank])
+        self._emit(Item(kind, None, {"name": name, "text": "".join(texts)}, now, cr=cr, captured=captured), [rank])
 
     def _pop_common_run(self) -> bool:
         """Fast path for floods: pop the run of items that every rank has, identical, at its head;
@@ -308,18 +308,18 @@ class Aligner(RankQueues):
         queues = [self._queues[r] for r in self.ranks]
         first, others = queues[0], queues[1:]
         item = first[0]
-        if item.kind != "stream" or any(q[0].key != item.key for q in others):
+        if not item.kind.lines or any(q[0].key != item.key for q in others):
             return False
         n = min(len(q) for q in queues)
         for r in self.ranks:
             self._before(r)
         texts: list[str] = []
-        name, cr, captured = item.content["name"], item.cr, item.captured
+        kind, name, cr, captured = item.kind, item.content["name"], item.cr, item.captured
         done = 0
         while done < n:
             item = first[0]
             key = item.key
-            if (item.kind != "stream" or item.content["name"] != name or item.cr != cr
+            if (not item.kind.lines or item.content["name"] != name or item.cr != cr
                     or item.captured != captured or any(q[0].key != key for q in others)):
                 break
             texts.append((_slowest([q[0] for q in queues]) if cr else item).content["text"])
@@ -330,7 +330,7 @@ class Aligner(RankQueues):
             self._move(r, self._place[r] + done)
             self._after(r)
         self._shared(self.ranks)
-        self._emit(Item("stream", None, {"name": name, "text": "".join(texts)}, 0.0, cr=cr, captured=captured), None)
+        self._emit(Item(kind, None, {"name": name, "text": "".join(texts)}, 0.0, cr=cr, captured=captured), None)
         return True
 
     def _match_deeper(self, live: list[int]) -> bool:
@@ -364,15 +364,15 @@ class Aligner(RankQueues):
         place = self._place[next(r for r in live if queues[r][0] is cut)]
         for r in live:
             head = queues[r][0]
-            whole = head.content.get("text", "") if head.kind == "stream" else ""
-            if (head.kind == "stream" and head.content["name"] == name and len(whole) > len(text)
+            whole = head.content.get("text", "") if head.kind.lines else ""
+            if (head.kind.lines and head.content["name"] == name and len(whole) > len(text)
                     and whole.startswith(text) and self._place[r] == place):
                 self._before(r)
                 queues[r].popleft()
                 self._uncount(r, head)
                 for piece, partial in ((whole[len(text):], head.partial), (text, False)):
                     # the rest of a piece that was itself cut short may be cut again
-                    item = Item("stream", stream_key(name, piece, head.cr), {"name": name, "text": piece}, head.t,
+                    item = Item(head.kind, stream_key(name, piece, head.cr), {"name": name, "text": piece}, head.t,
                                 size=len(piece), cr=head.cr, partial=partial, captured=head.captured)
                     queues[r].appendleft(item)
                     self._count(r, item)

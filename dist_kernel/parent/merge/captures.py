@@ -17,14 +17,22 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from dist_kernel.output_kinds import KINDS
+
 Emit = tuple[str, dict]
 
 
 def sets_capture(msg_type: str, content: dict) -> bool:
-    """Is this comm message an ``Output`` widget starting or stopping a capture (its ``msg_id``)?"""
+    """Is this comm message an ``Output`` widget starting or stopping a capture (its ``msg_id``)?
+    Only a kind that may (``OutputKind.capture``: ``comm_msg``) is looked into."""
+    kind = KINDS.get(msg_type)
+    return kind is not None and kind.capture and _sets_msg_id(content)
+
+
+def _sets_msg_id(content: dict) -> bool:
     data = content.get("data")
     state = data.get("state") if isinstance(data, dict) else None
-    return msg_type == "comm_msg" and isinstance(state, dict) and "msg_id" in state
+    return isinstance(state, dict) and "msg_id" in state
 
 
 def capture_change(content: dict) -> tuple[Hashable, bool] | None:
@@ -32,7 +40,7 @@ def capture_change(content: dict) -> tuple[Hashable, bool] | None:
     the item is not an ``Output`` widget's capture change."""
     msg = content.get("msg")
     body = msg.get("content") if isinstance(msg, dict) else None
-    if not isinstance(body, dict) or not sets_capture("comm_msg", body):
+    if not isinstance(body, dict) or not _sets_msg_id(body):  # a comm_msg: the relay keeps no other comm in order
         return None
     return body.get("comm_id"), bool(body["data"]["state"]["msg_id"])
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from dist_kernel.output_kinds import KINDS, STREAM, Merge, OutputKind
 from dist_kernel.parent.merge.alignment import DIVERGE_AFTER, LAG_BOUND, Aligner
 from dist_kernel.parent.merge.captures import capture_change
 from dist_kernel.parent.merge.errors import error_key
-from dist_kernel.parent.merge.labels import namespaced_display_id, unmarked
+from dist_kernel.parent.merge.labels import namespaced_display_id, unmarked_meta
 from dist_kernel.parent.merge.queues import _dec
-from dist_kernel.parent.merge.rendering import RICH_TYPES, DisplayRegistry, Emit, Renderer
+from dist_kernel.parent.merge.rendering import DisplayRegistry, Emit, Renderer
 from dist_kernel.parent.merge.units import (
     Item,
     Partial,
@@ -29,10 +30,11 @@ from dist_kernel.protocol import META_BRANCH, META_SOLO, meta_of
 #: publish between the cell's error and its reply)
 ERROR_HOLD = 1.0
 _NAMES = ("stdout", "stderr")
+_LINES, _RICH, _ERROR, _CLEAR = Merge.LINES, Merge.RICH, Merge.ERROR, Merge.CLEAR  # globals: fast to compare
 
 
 def _error_of(item: Item) -> Hashable:
-    """The error key of an ``error`` item (its key is ``("error", error_key)``)."""
+    """The error key of an ``error`` item (its key is ``("error", error_key)``: the kind's name first)."""
     assert isinstance(item.key, tuple)
     return item.key[1]
 
@@ -70,33 +72,31 @@ class CellMerger(Aligner):
     # ----------------------------------------------------------------- input
     def add(self, rank: int, msg_type: str, content: dict, now: float, sent: float | None = None,
             settle: bool = True) -> None:
-        """Feed one IOPub output of ``rank``, which arrived ``now`` and was sent at ``sent``
-        (the parent's clock; default: now). ``settle=False``: more follow at once (a node's
-        turn), and :meth:`settle` after them publishes what they let go."""
+        """Feed one IOPub output of ``rank`` (a kind whose route is output in
+        :mod:`dist_kernel.output_kinds`), which arrived ``now`` and was sent at ``sent`` (the
+        parent's clock; default: now). ``settle=False``: more follow at once (a node's turn),
+        and :meth:`settle` after them publishes what they let go."""
         self._hear(rank, now, sent)
-        if msg_type == "stream" and "metadata" in content:
-            self._add_marked_stream(rank, content, now)
-            return
-        if msg_type == "stream" and self._add_chunk(rank, content.get("name", "stdout"), content.get("text", ""), now):
-            return
+        kind = KINDS[msg_type]
+        merge = kind.merge  # how its row says to merge it
+        if merge is _LINES:
+            if "metadata" in content:
+                self._add_marked_stream(rank, content, now)
+                return
+            if self._add_chunk(rank, content.get("name", "stdout"), content.get("text", ""), now):
+                return
         if self._chunks:
             self._split_chunks(now)
-        if msg_type == "stream":
+        if merge is _LINES:
             self._add_stream(rank, content.get("name", "stdout"), content.get("text", ""), now)
-        elif msg_type == "error":
-            self._add_error(rank, content, now)
-        elif msg_type in RICH_TYPES:
+        elif merge is _ERROR:
+            self._add_error(rank, kind, content, now)
+        elif merge is _RICH:
             if self.rich_from is not None and rank != self.rich_from:
                 return
-            self._add_rich(rank, msg_type, content, now)
-        elif msg_type == "clear_output":
-            # an unfinished line belongs before the clear: held back, it would join the next line
-            self._flush_partials(rank, now, force=True)
-            # a clear inside an Output widget (a progress widget that rank 0 alone redraws) is an
-            # extra, as a branch's output is: it takes no place, so what the ranks print after
-            # the widget's loop still meets its twins; its twins (every rank clearing) go out once
-            self._push(rank, Item("clear_output", ("clear_output", bool(content.get("wait"))), content, now,
-                                  branch=rank in self._capturing and len(self.ranks) > 1))
+            self._add_rich(rank, kind, content, now)
+        elif merge is _CLEAR:
+            self._add_clear(rank, kind, content, now)
         if settle:
             self._drain(now)
 
@@ -116,7 +116,7 @@ class CellMerger(Aligner):
             (widgets.add if change[1] else widgets.discard)(change[0])
             if not widgets:
                 del self._capturing[rank]
-        self._push(rank, Item(msg_type, ("in_order", rank, id(content)), content, now, in_order=True))
+        self._push(rank, Item(KINDS[msg_type], ("in_order", rank, id(content)), content, now, in_order=True))
         self._drain(now)
 
     def rank_replied(self, rank: int, reply: dict, now: float, settle: bool = True) -> None:
@@ -260,7 +260,7 @@ class CellMerger(Aligner):
         if len(self._chunks) == len(self.ranks):
             self._chunks.clear()
             self._done_chunked = 0
-            self._emit(Item("stream", None, {"name": name, "text": text}, now), None)
+            self._emit(Item(STREAM, None, {"name": name, "text": text}, now), None)
         return True
 
     def _split_chunks(self, now: float) -> None:
@@ -289,14 +289,14 @@ class CellMerger(Aligner):
             units, rest = split_units(text)
             made = bool(units)
             for unit, cr in units:
-                self._push(rank, Item("stream", stream_key(name, unit, cr), {"name": name, "text": unit}, t0,
+                self._push(rank, Item(STREAM, stream_key(name, unit, cr), {"name": name, "text": unit}, t0,
                                       size=len(unit), cr=cr, branch=first))
                 t0, first = now, branch
         else:
             lines, rest = split_lines(text)
             made = bool(lines)
             for line in lines:
-                self._push(rank, Item("stream", ("stream", name, line), {"name": name, "text": line}, t0,
+                self._push(rank, Item(STREAM, ("stream", name, line), {"name": name, "text": line}, t0,
                                       size=len(line), branch=first))
                 t0, first = now, branch
         part.text, part.t = rest, (now if made else part.t)
@@ -316,7 +316,7 @@ class CellMerger(Aligner):
             self._add_stream(rank, name, text, now, branch=bool(mark.get(META_BRANCH)) and len(self.ranks) > 1)
         else:
             self._flush_partials(rank, now, force=True)
-            self._push(rank, Item("stream", ("solo", rank, id(content)), {"name": name, "text": text}, now,
+            self._push(rank, Item(STREAM, ("solo", rank, id(content)), {"name": name, "text": text}, now,
                                   solo=True, size=len(text)))
         self._drain(now)
 
@@ -327,7 +327,7 @@ class CellMerger(Aligner):
         for name in names:
             part = parts.get(name)
             if part and part.text and (force or now - part.t >= self.window):
-                self._push(rank, Item("stream", ("stream", name, part.text), {"name": name, "text": part.text},
+                self._push(rank, Item(STREAM, ("stream", name, part.text), {"name": name, "text": part.text},
                                       part.t, size=len(part.text), partial=True, branch=part.branch))
                 part.text, part.branch = "", False
         self._note_unfinished(rank)
@@ -347,10 +347,10 @@ class CellMerger(Aligner):
             self._unfinished.discard(rank)
 
     # ---------------------------------------------------------- rich, errors
-    def _add_error(self, rank: int, content: dict, now: float) -> None:
+    def _add_error(self, rank: int, kind: OutputKind, content: dict, now: float) -> None:
         self._flush_partials(rank, now, force=True)  # keep print-then-error order
         key = error_key(content)
-        item = Item("error", ("error", key), content, now)
+        item = Item(kind, (kind.name, key), content, now)
         if rank in self._reply_error:
             # the reply came first (it can overtake IOPub): its error is not shown inline
             if key == self._reply_error[rank]:
@@ -384,12 +384,21 @@ class CellMerger(Aligner):
             if rank in self._reply_error:
                 self._reply_error[rank] = ()
 
-    def _add_rich(self, rank: int, msg_type: str, content: dict, now: float) -> None:
+    def _add_clear(self, rank: int, kind: OutputKind, content: dict, now: float) -> None:
+        # an unfinished line belongs before the clear: held back, it would join the next line
+        self._flush_partials(rank, now, force=True)
+        # a clear inside an Output widget (a progress widget that rank 0 alone redraws) is an
+        # extra, as a branch's output is: it takes no place, so what the ranks print after
+        # the widget's loop still meets its twins; its twins (every rank clearing) go out once
+        self._push(rank, Item(kind, (kind.name, bool(content.get("wait"))), content, now,
+                              branch=rank in self._capturing and len(self.ranks) > 1))
+
+    def _add_rich(self, rank: int, kind: OutputKind, content: dict, now: float) -> None:
         self._flush_partials(rank, now, force=True)  # keep print-then-display order
         mark = meta_of(content.get("metadata"))
         marked = mark.get(META_SOLO)  # the rank said this output is its alone (rank_agent.solo_output)
         branch = bool(mark.get(META_BRANCH)) and not marked and len(self.ranks) > 1
-        content = dict(unmarked(msg_type, content))
+        content = dict(unmarked_meta(content))
         solo = (self.rich_from is not None or bool(marked)) and len(self.ranks) > 1
         display_id = (content.get("transient") or {}).get("display_id")
         if display_id is not None and solo:
@@ -399,6 +408,6 @@ class CellMerger(Aligner):
         elif display_id is not None:
             content.pop("transient")
         data_key, size = content_key(content)
-        key: Hashable = (msg_type, display_id, data_key)  # identical outputs with the same id collapse
-        self._push(rank, Item(msg_type, (key, rank) if solo else key, content, now, solo=solo, size=size,
+        key: Hashable = (kind.name, display_id, data_key)  # identical outputs with the same id collapse
+        self._push(rank, Item(kind, (key, rank) if solo else key, content, now, solo=solo, size=size,
                               display_id=display_id, branch=branch))

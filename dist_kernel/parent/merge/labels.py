@@ -8,6 +8,7 @@ import functools
 import html
 from collections.abc import Hashable, Sequence
 
+from dist_kernel.output_kinds import KINDS
 from dist_kernel.parent.merge.units import content_key
 from dist_kernel.parent.selection import format_ranks
 from dist_kernel.protocol import META, META_GROUPS, META_RANKS, with_meta
@@ -41,8 +42,14 @@ def unmarked(msg_type: str, content: dict) -> dict:
     ``branch``): a stream's ``metadata`` (not a field of the Jupyter stream message), a rich
     output's ``metadata.dist_kernel``. For output shown without the merger (a comm callback's,
     output after its cell ended)."""
-    if msg_type == "stream" and "metadata" in content:
+    kind = KINDS.get(msg_type)
+    if kind is not None and kind.lines and "metadata" in content:
         return {k: v for k, v in content.items() if k != "metadata"}
+    return unmarked_meta(content)
+
+
+def unmarked_meta(content: dict) -> dict:
+    """:func:`unmarked` of an output whose marks are in its ``metadata`` (a rich one)."""
     meta = content.get("metadata")
     if isinstance(meta, dict) and META in meta:
         return {**content, "metadata": {k: v for k, v in meta.items() if k != META}}

@@ -32,14 +32,14 @@ def _soft_tag(item: Item) -> Hashable | None:
     each other is not the order the rank wrote them in); None: neither."""
     if item.branch:
         return "branch"
-    if item.kind == "stream":
+    if item.kind.lines:
         return item.content["name"]
     return None
 
 
 def _stream_name(item: Item) -> str | None:
     """The stream of a line that takes a place (not made in a branch); None for anything else."""
-    return item.content["name"] if item.kind == "stream" and not item.branch else None
+    return item.content["name"] if item.kind.lines and not item.branch else None
 
 
 class RankQueues:

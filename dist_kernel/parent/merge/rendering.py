@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from dist_kernel.output_kinds import KINDS, Merge, Shows
 from dist_kernel.parent.merge.bars import Bar
 from dist_kernel.parent.merge.captures import FrontendCaptures
 from dist_kernel.parent.merge.labels import (
@@ -25,7 +26,8 @@ from dist_kernel.protocol import META_RANKS, with_meta
 
 Emit = tuple[str, dict]  # (msg_type, content)
 
-RICH_TYPES = ("display_data", "execute_result", "update_display_data")
+_RICH, _ERROR, _CLEAR = Merge.RICH, Merge.ERROR, Merge.CLEAR  # globals: faster than off the class
+_ADD, _UPDATE = Shows.ADD, Shows.UPDATE
 #: the mime type of a widget's view (ipywidgets)
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 _CR_LABEL = re.compile(r"\r(?!\n|$)")
@@ -107,16 +109,18 @@ class Renderer:
         """Messages to publish now, consecutive stream text of one name coalesced."""
         out: list[Emit] = []
         texts: list[str] = []  # pieces of the stream message being built (joined once: no O(n^2))
+        last_type, lines = "", False
         for msg_type, queued in self._out:
             content = queued.content() if isinstance(queued, Bar) else queued
-            if (msg_type == "stream" and out and out[-1][0] == "stream"
-                    and out[-1][1]["name"] == content["name"]):
+            if msg_type is not last_type:  # looked up once for a run of one kind (a flood of lines)
+                last_type, lines = msg_type, KINDS[msg_type].lines
+            if lines and out and out[-1][0] == msg_type and out[-1][1]["name"] == content["name"]:
                 texts.append(content["text"])
                 continue
             if texts:
                 out[-1][1]["text"] = "".join(texts)
-            texts = [content["text"]] if msg_type == "stream" else []
-            out.append((msg_type, dict(content) if msg_type == "stream" else content))
+            texts = [content["text"]] if lines else []
+            out.append((msg_type, dict(content) if lines else content))
         if texts:
             out[-1][1]["text"] = "".join(texts)
         self._out = []
@@ -125,18 +129,19 @@ class Renderer:
     def late(self, rank: int, msg_type: str, content: dict, labelled: bool) -> None:
         """Output of ``rank`` after its cell ended, labelled with the rank when ``labelled``,
         display ids resolved as in the cell."""
+        kind = KINDS[msg_type]
         content = unmarked(msg_type, content)
-        if msg_type == "stream":
+        if kind.lines:
             text = content.get("text", "")
             name = content.get("name", "stdout")
-            self._out.append(("stream", {"name": name, "text": label_lines(text, [rank]) if labelled else text}))
-        elif msg_type in RICH_TYPES and (content.get("transient") or {}).get("display_id") is not None:
+            self._out.append((msg_type, {"name": name, "text": label_lines(text, [rank]) if labelled else text}))
+        elif kind.merge is _RICH and (content.get("transient") or {}).get("display_id") is not None:
             content = dict(content)
             display_id = content.pop("transient")["display_id"]
-            self._emit_display(Item(msg_type, None, content, 0.0, display_id=display_id), [rank])
-        elif msg_type in RICH_TYPES and labelled:
+            self._emit_display(Item(kind, None, content, 0.0, display_id=display_id), [rank])
+        elif kind.merge is _RICH and labelled:
             self._out.append((msg_type, labelled_rich(content, [rank])))
-        elif msg_type == "error":
+        elif kind.merge is _ERROR:
             # the cell's one error was merged when the cell ended: a rank it gave up on that raises
             # at last (a cell that catches the interrupt) is told as text, never a second error output
             self._out.append(("stream", {"name": "stderr", "text": late_error_text(content, rank, labelled)}))
@@ -147,8 +152,9 @@ class Renderer:
         """Publish ``item``, which ``ranks`` gave (None: every rank of the cell)."""
         if ranks is not None and len(ranks) == len(self.ranks):
             ranks = None
+        kind = item.kind
         if item.in_order:
-            self._out.extend(self._captures.change(item.kind, item.content))
+            self._out.extend(self._captures.change(kind.name, item.content))
             self._open.clear()  # the widget and the cell are different output areas
             self._bars.clear()
             return
@@ -158,13 +164,13 @@ class Renderer:
             self._open.clear()
             self._bars.clear()
         multi = len(self.ranks) > 1
-        if item.kind == "clear_output":
+        if kind.merge is _CLEAR:
             if not multi or item.captured or (ranks is None and not self.area_ranks):
                 # every rank cleared at the same point of its output: one clear, as one process;
                 # a clear inside an Output widget clears only the widget, never the other ranks' output
                 self._open.clear()
                 self._bars.clear()
-                self._out.append(("clear_output", item.content))
+                self._out.append((kind.name, item.content))
                 return
             # one rank clearing alone would wipe the other ranks' output: from now on this
             # group's output is shown in its own areas, which its clears empty
@@ -179,7 +185,7 @@ class Renderer:
         # output inside an Output widget goes out plainly: a widget shows no display updates
         in_area = (multi and not item.captured and bool(self.area_ranks)
                    and all(r in self.area_ranks for r in self._group(ranks)))
-        if item.kind == "stream":
+        if kind.lines:
             text = item.content["text"]
             if in_area:
                 self._to_area(lab, self._group(ranks), "text", text)
@@ -189,21 +195,21 @@ class Renderer:
         self._open.clear()  # a rich output starts a new output area
         self._bars.clear()
         content = item.content
-        if item.kind == "error":
-            self._out.append(("error", content if ranks is None else labelled_error(content, ranks)))
+        if kind.merge is _ERROR:
+            self._out.append((kind.name, content if ranks is None else labelled_error(content, ranks)))
             return
         if item.display_id is not None:
             self._emit_display(item, self._group(ranks))
             return
-        if in_area and item.kind in ("display_data", "execute_result"):
+        if in_area and kind.merge is _RICH and kind.shows is _ADD:  # an area shows the newest output
             self._to_area(lab, self._group(ranks), "rich", content)
             return
-        if ranks is not None and item.kind in RICH_TYPES:
+        if ranks is not None and kind.merge is _RICH:
             if WIDGET_VIEW in (content.get("data") or {}):
                 # a frontend draws the widget alone, never the text beside it: the label goes first
                 self._out.append(("display_data", labelled_rich({"data": {"text/plain": ""}, "metadata": {}}, ranks)))
             content = labelled_rich(content, ranks)
-        self._out.append((item.kind, content))
+        self._out.append((kind.name, content))
 
     def _group(self, ranks: list[int] | None) -> list[int]:
         return list(self.ranks) if ranks is None else ranks
@@ -260,8 +266,8 @@ class Renderer:
         assert display_id is not None
         states = self.displays.set(display_id, group, item.content)
         content = {**item.content, **combined(states, self.ranks), "transient": {"display_id": display_id}}
-        if item.kind == "update_display_data":
-            self._out.append(("update_display_data", content))
+        if item.kind.shows is _UPDATE:
+            self._out.append((item.kind.name, content))
             return
         joined = self._joinable.get(display_id)
         if joined is not None and not joined & set(group):
@@ -271,7 +277,7 @@ class Renderer:
             self._out.append(("update_display_data", content))
             return
         self._joinable[display_id] = set(group)
-        self._out.append((item.kind, content))
+        self._out.append((item.kind.name, content))
 
     def _clear_areas(self, ranks: list[int]) -> None:
         """Empty every area holding output of these ranks (a clear_output of theirs took effect)."""
@@ -310,7 +316,7 @@ class Renderer:
             self._out.append(("display_data", content))
             return
         last = self._out[-1] if self._out else None
-        if (last and last[0] == "update_display_data" and isinstance(last[1], dict)
+        if (last and KINDS[last[0]].shows is _UPDATE and isinstance(last[1], dict)
                 and last[1]["transient"]["display_id"] == area.display_id):
             self._out[-1] = ("update_display_data", content)  # only the newest state matters
         else:

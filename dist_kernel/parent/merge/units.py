@@ -9,6 +9,8 @@ import re
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from dist_kernel.output_kinds import OutputKind
+
 #: an item waits ``window`` plus its size over this for its twins (bytes per second): a 50 MB
 #: result waits 5 s more, a line of 100 characters 10 microseconds
 SIZE_RATE = 10e6
@@ -23,7 +25,7 @@ _KEY_DIGEST_ABOVE = 512
 class Item:
     """One unit of a rank's output, queued until it is published."""
 
-    kind: str  # "stream" or an IOPub msg_type
+    kind: OutputKind  # its row of the table: how it is merged and rendered (``kind.merge``)
     key: Hashable
     content: dict
     t: float
