@@ -32,7 +32,8 @@ def _venv_extension_cache():
     """DeepSpeed's shm op in a JIT cache of this venv's own, for the kernel and torchrun alike (as
     ``benchmarks/torch_train.py`` does). torch's default cache is one per user that every venv shares,
     and the op's build file names the venv: after a run from another checkout's venv the test rebuilt
-    the op (28 s alone, over 100 s beside the lane's other workers). The first run still builds it."""
+    the op (28 s alone, over 100 s beside the lane's other workers). Setting up builds it there
+    (``.ci/build-deepspeed-op.sh``, the README's first command); without that the first run does."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR")
                   or os.path.join(sys.prefix, "torch_extensions"))
@@ -192,7 +193,7 @@ def test_compiled_ddp_with_a_distributed_sampler_like_torchrun(tmp_path):
     assert_close(ev[0]["params"], ref[0]["params"])
 
 
-@pytest.mark.timeout(600)  # a fresh machine builds DeepSpeed's shm op first: minutes beside the other workers
+@pytest.mark.timeout(600)  # without .ci/build-deepspeed-op.sh it builds DeepSpeed's shm op first: minutes beside the others
 def test_deepspeed_zero2_trains_on_cpu_like_torchrun(tmp_path):
     cells, ev = in_kernel("deepspeed_zero.ipynb", DEEPSPEED_PROBE)
     assert sorted(ev) == [0, 1]

@@ -236,25 +236,32 @@ def test_killing_the_parent_ends_ranks_stuck_in_c_code_holding_the_gil():
 # the reaper and the sweep of stale runtime dirs are tested in test_cleanup.py
 
 
-def test_five_restarts_in_a_row_leave_nothing_behind():
+def test_five_restarts_give_fresh_ranks_and_they_and_a_shutdown_leave_nothing_behind():
     # each restart starts a new parent process, with its own runtime dir and ranks: whatever one
     # restart leaves behind (a dir, a rank, a file) shows after the first, and five show it piling up
+    # (test_kernel.py's restart and shutdown tests were folded in here: one kernel, CI time)
     k = DistKernel("--ranks", "2")
     parents = [k.pid]
     try:
-        k.execute("x = 1")
         for _ in range(5):
+            k.execute("x = 41")
+            old = [psutil.Process(p) for p in k.rank_pids()]
             k.km.restart_kernel(now=False)
             parents.append(k.pid)
             k.kc.wait_for_ready(timeout=60)
-            assert k.execute("print(world_size)", timeout=60).stream() == "2\n"
+            # fresh ranks: an empty namespace, and the old ranks are gone
+            assert k.execute("print(world_size, 'x' in dir())", timeout=60).stream() == "2 False\n"
+            _, alive = psutil.wait_procs(old, timeout=10)
+            assert alive == []
         parent = psutil.Process(k.pid)
-        ranks = k.rank_pids()
+        ranks = [psutil.Process(p) for p in k.rank_pids()]
         assert len(ranks) == 2  # only the current ranks exist
         assert runtime_dirs(*parents) == runtime_dirs(k.pid) and len(runtime_dirs(k.pid)) == 1
         assert parent.num_fds() < 200
     finally:
         k.shutdown()
+    _, alive = psutil.wait_procs(ranks, timeout=10)
+    assert alive == []  # shutdown ends every rank process
     assert runtime_dirs(*parents) == set()
 
 
@@ -310,10 +317,12 @@ def test_every_rank_has_its_own_key_and_the_sockets_are_local(kernel2):
 
 
 # ------------------------------------------------------------------ 7, 8: floods and soak
+@pytest.mark.timeout(480)
 def test_a_flood_of_lines_on_each_of_four_ranks_stays_bounded_and_delivers_the_end():
-    # 300,000 lines a rank: 8 MB in all, 8 times the burst, enough to spill (test_wedges prints a
-    # million lines at 2 ranks; a million at 4 ranks proves nothing more and takes 100 s)
-    lines = 300_000
+    # 500,000 lines a rank: two million lines, 14 MB, as many as the million lines a rank at 2 ranks
+    # that this test took in (one flood of that size, not two: CI time); 14 times the burst, so it
+    # spills. A million at 4 ranks proves nothing more and takes 200 s
+    lines = 500_000
     k = DistKernel("--ranks", "4")
     try:
         k.execute("x = 1")
@@ -327,7 +336,7 @@ def test_a_flood_of_lines_on_each_of_four_ranks_stays_bounded_and_delivers_the_e
         # a rate, then the tail), not the 27 MB printed: ~5 MB on a quiet machine, more on a loaded
         # one, where the same cell runs longer (13.6 MB in 30 s at a load average of 5 on 2 cores)
         assert shown < throttle.BURST + throttle.RATE * took + 4 * throttle.TAIL_BYTES + 2**20, (shown, took)
-        assert "the end" in res.stream()  # the cell's final lines arrive
+        assert "the end" in res.stream() and f"{lines - 1}\n" in res.stream()  # the cell's final lines arrive
         notes = res.stream("stderr")
         spill = notes.split("saved in full to ")[1].split(" and")[0]
         with open(spill) as f:

@@ -54,6 +54,7 @@ class Kernel(DistKernel):
         self.km.shutdown_wait_time = 5
         self.seen: list[psutil.Process] = []
         self.log: list[Msg] = []
+        self.idle: set[str] = set()  # the requests whose idle status came: done() must not scan the log
         self.replies: dict[str, dict] = {}
         self.t0 = time.monotonic()
         self.km.start_kernel(**({"extra_arguments": extra_arguments} if extra_arguments else {}))
@@ -87,7 +88,10 @@ class Kernel(DistKernel):
                 return False
             with contextlib.suppress(queue.Empty):
                 raw = self.kc.get_iopub_msg(timeout=min(left, 0.05))
-                self.log.append(Msg(raw, time.monotonic() - self.t0))
+                msg = Msg(raw, time.monotonic() - self.t0)
+                self.log.append(msg)
+                if msg.type == "status" and msg.content["execution_state"] == "idle":
+                    self.idle.add(msg.parent)
             while self.kc.shell_channel.msg_ready():
                 reply = self.kc.get_shell_msg(timeout=1)
                 self.replies[reply["parent_header"].get("msg_id")] = reply
@@ -97,8 +101,8 @@ class Kernel(DistKernel):
         return [m for m in self.log if m.parent == msg_id]
 
     def done(self, msg_id: str) -> bool:
-        return msg_id in self.replies and any(m.type == "status" and m.content["execution_state"] == "idle"
-                                              for m in self.seq(msg_id))
+        # asked after every message pumped: a scan of the log here made a burst's test quadratic
+        return msg_id in self.replies and msg_id in self.idle
 
     def run(self, code: str, timeout: float = 60) -> Cell:
         cell = Cell(self, self.send(code))
@@ -268,16 +272,7 @@ def test_a_burst_of_displays_to_a_slow_client_ends_and_loses_nothing_unannounced
         prints_ranks(k)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(480)
-def test_a_million_printed_lines_per_rank_end_and_the_last_line_is_shown():
-    with started() as k:
-        k.run("x = 1", timeout=120)
-        cell = k.run("for i in range(10**6):\n    print(i)", timeout=360)
-        assert cell.ended, "the cell did not end"
-        assert "999999\n" in cell.stream(), "the last printed line is not shown"
-        remove_spills(cell)
-        prints_ranks(k)
+# a million printed lines (two million at 2 ranks): test_faults.py's flood at 4 ranks prints as many
 
 
 # ------------------------------------------------------------------ 2: every rank in a deadlock
