@@ -29,18 +29,19 @@ import pytest
 HERE = Path(__file__).parent.resolve()
 
 SECONDS = {
-    "test_wedges.py": 450, "test_faults.py": 320, "test_ecosystem_torch.py": 260, "test_benchmarks_smoke.py": 170,
-    "test_ecosystem_hf.py": 225, "test_gpu_proof.py": 220, "test_output_fidelity.py": 190, "test_notebooks.py": 130,
-    "test_kernel.py": 120, "test_fastai.py": 110, "test_respawn.py": 85, "test_hangs.py": 105, "test_cleanup.py": 70,
-    "test_lab_closed_page.py": 300, "test_jupyterlab.py": 90, "test_progress_bars.py": 50, "test_conformance.py": 45,
-    "test_channel.py": 35,
-    "test_debugger.py": 35, "test_shared_display_ids.py": 35, "test_notices_and_small.py": 25, "test_frontend.py": 25,
-    "test_open_file_limits.py": 25, "test_options_at_work.py": 25, "test_sync_copies.py": 60, "test_widgets.py": 90,
+    "test_ecosystem_torch.py": 300, "test_faults.py": 320, "test_wedges.py": 270, "test_lab_closed_page.py": 195,
+    "test_output_fidelity.py": 185, "test_benchmarks_smoke.py": 175, "test_gpu_proof.py": 160,
+    "test_notebooks.py": 145, "test_ecosystem_hf.py": 130, "test_respawn.py": 120, "test_cleanup.py": 85,
+    "test_kernel.py": 80, "test_debugger.py": 80, "test_fastai.py": 76, "test_hangs.py": 75, "test_widgets.py": 60,
+    "test_progress_bars.py": 50, "test_jupyterlab.py": 50, "test_channel.py": 45, "test_top.py": 40,
+    "test_notices_and_small.py": 33, "test_options_at_work.py": 32, "test_frontend.py": 31, "test_late_errors.py": 27,
+    "test_conformance.py": 26, "test_sync_copies.py": 26, "test_shared_display_ids.py": 26,
+    "test_group_destroyed.py": 26, "test_history.py": 24,
 }
 SHORT = 20  # any other file
 CLUSTER = HERE.parent / "cluster"
-#: the cluster lane, run as one unit beside the kernel lane (about 5 minutes under that load)
-CLUSTER_SECONDS = 330
+#: the cluster lane, run as one unit beside the kernel lane (about 8 minutes under that load)
+CLUSTER_SECONDS = 480
 
 
 def seconds(item: pytest.Item) -> float:
