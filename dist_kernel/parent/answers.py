@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from dist_kernel.output_kinds import KINDS, Shows
+from dist_kernel.parent.merge.captures import widget_state
 
 # what nbclient answers inside a capture: an output it adds to the widget, or a clear that does
 # not wait (its row's ``shows``, :mod:`dist_kernel.output_kinds`)
@@ -47,12 +48,6 @@ class _Cell:
     sent: int = 0  # outputs published inside a capture: each one is answered
     answered: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def _state(content: dict) -> dict | None:
-    data = content.get("data")
-    state = data.get("state") if isinstance(data, dict) else None
-    return state if isinstance(state, dict) else None
 
 
 class CaptureAnswers:
@@ -77,7 +72,7 @@ class CaptureAnswers:
         if kind is None:
             return
         if kind.capture:
-            state = _state(content)
+            state = widget_state(content)
             if state is not None and "msg_id" in state:  # an Output widget starts or stops capturing
                 if state["msg_id"] == request["header"]["msg_id"]:
                     cell.capturing.add(str(content.get("comm_id")))
@@ -88,7 +83,7 @@ class CaptureAnswers:
 
     def answered(self, msg: dict) -> None:
         """A ``comm_msg`` from the frontend: an answer when it sends an ``Output``'s outputs."""
-        state = _state(msg.get("content", {}))
+        state = widget_state(msg.get("content", {}))
         if state is None or "outputs" not in state:
             return
         session = str(msg.get("header", {}).get("session", ""))

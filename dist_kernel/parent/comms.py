@@ -102,7 +102,7 @@ class CommRouter:
                     if not self._closing[comm_id]:
                         del self._closing[comm_id]
                 return None
-            elif owners is not None and rank in owners and owners[0] != rank and not sets_capture(msg_type, content):
+            elif owners is not None and rank in owners and owners[0] != rank and not sets_capture(KINDS.get(msg_type), content):
                 # an Output widget's capture is relayed from whichever owner enters `with out:`
                 # (the cell's merger sends each start and stop once)
                 if msg_type == "comm_close":

@@ -149,7 +149,7 @@ class OutputRelay:
             else:
                 self._settle_later(loop)
         elif kind.route is _COMM:
-            if sets_capture(msg_type, content) and not self.closed:
+            if sets_capture(kind, content) and not self.closed:
                 # an Output widget starts or stops capturing: what the rank printed before
                 # must reach the frontend before the widget's state changes
                 self.merger.add_in_order(rank, IN_ORDER, {"rank": rank, "msg": msg}, self.clock())

@@ -17,22 +17,29 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from dist_kernel.output_kinds import KINDS
+from dist_kernel.output_kinds import OutputKind
 
 Emit = tuple[str, dict]
 
 
-def sets_capture(msg_type: str, content: dict) -> bool:
-    """Is this comm message an ``Output`` widget starting or stopping a capture (its ``msg_id``)?
-    Only a kind that may (``OutputKind.capture``: ``comm_msg``) is looked into."""
-    kind = KINDS.get(msg_type)
+def widget_state(content: dict) -> dict | None:
+    """The ``state`` a widget's comm message sets (``data.state``), or None. The capture's
+    ``msg_id`` lives there: the merger, the relay and the capture answers all read it here."""
+    data = content.get("data")
+    state = data.get("state") if isinstance(data, dict) else None
+    return state if isinstance(state, dict) else None
+
+
+def sets_capture(kind: OutputKind | None, content: dict) -> bool:
+    """Is this comm message (of row ``kind``, None for no output kind) an ``Output`` widget
+    starting or stopping a capture (its ``msg_id``)? Only a kind that may
+    (``OutputKind.capture``: ``comm_msg``) is looked into."""
     return kind is not None and kind.capture and _sets_msg_id(content)
 
 
 def _sets_msg_id(content: dict) -> bool:
-    data = content.get("data")
-    state = data.get("state") if isinstance(data, dict) else None
-    return isinstance(state, dict) and "msg_id" in state
+    state = widget_state(content)
+    return state is not None and "msg_id" in state
 
 
 def capture_change(content: dict) -> tuple[Hashable, bool] | None:
