@@ -272,7 +272,16 @@ def test_a_burst_of_displays_to_a_slow_client_ends_and_loses_nothing_unannounced
         prints_ranks(k)
 
 
-# a million printed lines (two million at 2 ranks): test_faults.py's flood at 4 ranks prints as many
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_million_printed_lines_per_rank_end_and_the_last_line_is_shown():
+    with started() as k:
+        k.run("x = 1", timeout=120)
+        cell = k.run("for i in range(10**6):\n    print(i)", timeout=360)
+        assert cell.ended, "the cell did not end"
+        assert "999999\n" in cell.stream(), "the last printed line is not shown"
+        remove_spills(cell)
+        prints_ranks(k)
 
 
 # ------------------------------------------------------------------ 2: every rank in a deadlock
