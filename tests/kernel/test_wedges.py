@@ -400,19 +400,11 @@ def test_the_stop_button_while_the_ranks_start_does_not_break_the_kernel():
 
 
 # ------------------------------------------------------------------ 5: interrupt storms
-@pytest.fixture(scope="module")
-def stormed() -> Iterator[Kernel]:
-    """One kernel for the storm's trials (CI time): each trial checks that the ranks it began with
-    are kept and the group works, so the next one starts from a healthy kernel."""
-    with started() as k:
-        yield k
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("trial", range(3))
-def test_a_storm_of_interrupts_ends_the_cell_once_with_one_error_and_keeps_the_ranks(stormed, trial):
-    k = stormed
+def test_a_storm_of_interrupts_ends_the_cell_once_with_one_error_and_keeps_the_ranks(steady, trial):
+    k = steady  # each trial checks that the ranks are kept and the group works: the next starts healthy
     pids = pids_by_rank(k)
     cell = Cell(k, k.send("import torch, torch.distributed as dist\n"
                           "for i in range(10**6):\n    dist.all_reduce(torch.ones(1))"))
