@@ -215,6 +215,7 @@ class CellMerger(Aligner):
             self._resolve_errors(rank, final=True)
             self._mark_done(rank)
         self._drain(now, final=True)
+        self._release()
 
     def late(self, rank: int, msg_type: str, content: dict, labelled: bool) -> list[Emit]:
         """Output of ``rank`` that arrived after the cell ended (a background thread): the

@@ -88,6 +88,23 @@ class RankQueues:
         self._recent_by_key: dict[Hashable, dict[int, int]] = {}  # key -> {rank: place} of _recent
         self._index: dict[int, int] = {r: i for i, r in enumerate(ranks)}  # rank -> its place in self.ranks
 
+    def _release(self) -> None:
+        """The cell is over and nothing is queued: give back the tables that its output grew.
+
+        A dict keeps its size after its keys are deleted, and a finished cell's merger stays
+        routed for the output its threads print late (the last ``ranks.RECENT`` cells): before
+        this, each cell of 200,000 lines per rank left 30-45 MB in the parent for 64 cells. The
+        per-place and per-key counts are empty or moot once nothing is queued, and the recent
+        items serve only to re-align a rank's next item, which never comes now."""
+        if any(self._queues.values()):
+            return
+        self._queues, self._counts = defaultdict(deque), defaultdict(dict)
+        self._holders, self._heads, self._heads_at, self._soft_at, self._streams_at = {}, {}, {}, {}, {}
+        self._bumps, self._bumps_key = {}, {}
+        self._recent, self._recent_by_key = defaultdict(OrderedDict), {}
+        self._places, self._undone_places = Counter(self._places), Counter(self._undone_places)
+        self._q_places, self._qu_places = Counter(), Counter()
+
     # ------------------------------------------------------------- counters
     def _owed(self, rank: int) -> int:
         place, key = self._place[rank], self._queues[rank][0].key
