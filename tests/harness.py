@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -221,3 +222,26 @@ def assert_group_works_and_variables_survived(k: DistKernel) -> None:
     res = k.execute("t = torch.ones(1)\ndist.all_reduce(t)\nprint(int(t.item()), kept)", timeout=30)
     assert res.stream() == "[rank 0] 2 100\n[rank 1] 2 101\n", res.outputs
 
+
+@contextlib.contextmanager
+def memory_guard(pid: int, limit: int = 1 << 30) -> Iterator[list[int]]:
+    """Kill the parent if it takes more than ``limit`` bytes (the machine is shared)."""
+    peak = [psutil.Process(pid).memory_info().rss]
+    stop = threading.Event()
+
+    def watch() -> None:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            while not stop.wait(0.05):
+                peak[0] = max(peak[0], p.memory_info().rss)
+                if peak[0] > limit:
+                    p.kill()
+                    return
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        t.join()

@@ -13,13 +13,12 @@ import os
 import queue
 import re
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 
 import psutil
 import pytest
-from harness import DistKernel, own_session
+from harness import DistKernel, is_rank_process, memory_guard, own_session
 from jupyter_client import KernelManager
 
 from dist_kernel.runner import spec_manager
@@ -72,8 +71,7 @@ class Kernel(DistKernel):
 
     def rank_pids(self) -> list[int]:
         self.remember()
-        return [p.pid for p in psutil.Process(self.pid).children()
-                if any(s in " ".join(p.cmdline()) for s in ("ipykernel_launcher", "dist_kernel.rank"))]
+        return [p.pid for p in psutil.Process(self.pid).children() if is_rank_process(p)]
 
     # -- sending and pumping
     def send(self, code: str) -> str:
@@ -400,11 +398,21 @@ def test_the_stop_button_while_the_ranks_start_does_not_break_the_kernel():
 
 
 # ------------------------------------------------------------------ 5: interrupt storms
+@pytest.fixture(scope="module")
+def stormed() -> Iterator[Kernel]:
+    """One kernel for the storm's trials: each checks that the ranks it began with are kept and the
+    group works, so the next one starts from a healthy kernel. Not ``steady``'s: once, in a full
+    run of the suite, a completion on ``steady`` after the storms left rank 0 silent for minutes,
+    not seen again in 40 runs of these tests; apart until that is understood (CHANGELOG, Known)."""
+    with started() as k:
+        yield k
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("trial", range(3))
-def test_a_storm_of_interrupts_ends_the_cell_once_with_one_error_and_keeps_the_ranks(steady, trial):
-    k = steady  # each trial checks that the ranks are kept and the group works: the next starts healthy
+def test_a_storm_of_interrupts_ends_the_cell_once_with_one_error_and_keeps_the_ranks(stormed, trial):
+    k = stormed
     pids = pids_by_rank(k)
     cell = Cell(k, k.send("import torch, torch.distributed as dist\n"
                           "for i in range(10**6):\n    dist.all_reduce(torch.ones(1))"))
@@ -445,30 +453,6 @@ def test_each_stop_of_a_loop_of_collectives_is_one_keyboard_interrupt_and_the_ne
 
 
 # ------------------------------------------------------------------ 6: odd requests
-@contextlib.contextmanager
-def memory_guard(pid: int, limit: int = 1 << 30) -> Iterator[list[int]]:
-    """Kill the parent if it takes more than ``limit`` bytes (the machine is shared)."""
-    peak = [psutil.Process(pid).memory_info().rss]
-    stop = threading.Event()
-
-    def watch() -> None:
-        with contextlib.suppress(psutil.Error):
-            p = psutil.Process(pid)
-            while not stop.wait(0.05):
-                peak[0] = max(peak[0], p.memory_info().rss)
-                if peak[0] > limit:
-                    p.kill()
-                    return
-
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    try:
-        yield peak
-    finally:
-        stop.set()
-        t.join()
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("spec", ["0-100000000000", "0-10000000"])
 def test_a_huge_rank_range_is_refused_at_once_without_using_memory(steady, spec):
