@@ -29,7 +29,7 @@ import pytest
 HERE = Path(__file__).parent.resolve()
 
 SECONDS = {
-    "test_ecosystem_torch.py": 300, "test_faults.py": 320, "test_wedges.py": 270, "test_lab_closed_page.py": 195,
+    "test_ecosystem_torch.py": 300, "test_faults.py": 320, "test_wedges.py": 270, "test_lab_closed_page.py": 120,
     "test_output_fidelity.py": 185, "test_benchmarks_smoke.py": 175, "test_gpu_proof.py": 160,
     "test_notebooks.py": 145, "test_ecosystem_hf.py": 130, "test_respawn.py": 120, "test_cleanup.py": 85,
     "test_kernel.py": 80, "test_debugger.py": 80, "test_fastai.py": 76, "test_hangs.py": 75, "test_widgets.py": 60,
