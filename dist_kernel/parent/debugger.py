@@ -293,7 +293,7 @@ class DebugSession:
         if not self.active:
             return
         if old is not None:
-            await self._end_on(ranks, old, was_stopped)
+            await self._end_within(ranks, old, was_stopped)
         if rank is None:
             self._forget()
             return
@@ -311,10 +311,16 @@ class DebugSession:
         await self._forward(ranks, rank, {"type": "request", "seq": 0, "command": "disconnect",
                                           "arguments": {"restart": False, "terminateDebuggee": False}})
 
+    async def _end_within(self, ranks: Ranks, rank: int, stopped: bool) -> None:
+        """:meth:`_end_on`, given up after END_TIMEOUT: the session is over for the frontend either
+        way, and a rank slow to answer (a loaded machine, a rank busy in C code) must not hold
+        up the magic or the shutdown (``%dist_debug 0`` once waited over 120 s on rank 1)."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._end_on(ranks, rank, stopped), END_TIMEOUT)
+
     async def end(self, ranks: Ranks | None) -> None:
         """Shutdown or restart: end the session on the debugged rank, within END_TIMEOUT."""
         if ranks is None or self.rank is None or not self.active:
             return
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._end_on(ranks, self.rank, bool(self.stopped)), END_TIMEOUT)
+        await self._end_within(ranks, self.rank, bool(self.stopped))
         self._forget()

@@ -102,8 +102,9 @@ from dist_kernel.protocol import Pending, Place
 FAST_GRACE = 1.0
 #: after an interrupt, and after a teardown that followed it, how long a rank may stay busy
 #: before the cell ends without it (counted from the later of the two: on a loaded machine the
-#: teardown itself may take seconds, and the ranks it frees need a moment to raise)
-GIVE_UP_AFTER = 5.0
+#: teardown itself may take seconds, and the ranks it frees need a moment to raise; at 5 s, a
+#: rank freed from a loop of collectives at a load of 12 on 2 cores was called "did not stop")
+GIVE_UP_AFTER = 10.0
 #: how long a rank whose code has stopped may take to report it (IPython formats the traceback:
 #: about 0.2 s on an idle machine, seconds with a load of 4 on 2 cores)
 REPORT_WITHIN = 30.0

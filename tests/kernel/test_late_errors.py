@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: rank 0 catches the stop and raises long after the kernel gave up on it (3 s after the stop)
 TRAP = ("%%rank 0\ntry:\n    print('looping', flush=True)\n    while True:\n        time.sleep(0.05)\n"
-        "except KeyboardInterrupt:\n    time.sleep(12)\n    raise RuntimeError('raised after the stop')")
+        "except KeyboardInterrupt:\n    time.sleep(18)\n    raise RuntimeError('raised after the stop')")
 
 
 def collect(k: DistKernel, msg_id: str, until: str, seen: list[dict], on_msg=None) -> None:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from dist_kernel.parent.fault_policy import Cell, Judge, after_cell, look_due, out_of_step
+from dist_kernel.parent.fault_policy import GIVE_UP_AFTER, Cell, Judge, after_cell, look_due, out_of_step
 from dist_kernel.protocol import Operand, Place
 
 WORLD = (0, 1)
@@ -376,9 +376,10 @@ def test_an_interrupt_that_ends_one_rank_frees_the_other_and_both_report_the_int
 def test_a_rank_that_stopped_and_is_still_showing_its_traceback_is_waited_for_not_left_behind():
     c = cell(busy=(0, 1), interrupted_at=10.0)
     reporting = place(collective=None, in_code=False)
-    v = Judge().judge(c, {0: reporting, 1: COMPUTING}, now=15.0)
+    v = Judge().judge(c, {0: reporting, 1: COMPUTING}, now=10.0 + GIVE_UP_AFTER)
     assert v.action == "abandon" and list(v.stuck) == [1]  # rank 1's code still runs
-    assert Judge().judge(cell(busy=(0,), interrupted_at=10.0), {0: reporting}, now=15.0).action == "wait"
+    assert Judge().judge(cell(busy=(0,), interrupted_at=10.0), {0: reporting}, now=10.0 + GIVE_UP_AFTER).action \
+        == "wait"
     assert Judge().judge(cell(busy=(0,), interrupted_at=10.0), {0: reporting}, now=40.0).action == "abandon"
 
 
@@ -401,7 +402,7 @@ def test_an_interrupt_during_a_teardown_waits_for_the_ranks_to_raise_then_gives_
     c = cell(interrupted_at=10.0, torn_down=True)
     seen = {0: blocked("all_reduce"), 1: blocked("all_reduce")}
     assert Judge().judge(c, seen, now=11.0).action == "wait"
-    v = Judge().judge(c, seen, now=15.0)
+    v = Judge().judge(c, seen, now=10.0 + GIVE_UP_AFTER)
     assert v.action == "abandon" and set(v.stuck) == {0, 1}
 
 
@@ -410,14 +411,14 @@ def test_a_slow_teardown_after_an_interrupt_gives_the_freed_ranks_their_time_fro
     # was still raising a second later, and was called "did not stop"
     c = cell(busy=(0,), first_finished=10.5, interrupted_at=10.0, torn_down=True, torn_down_at=14.0)
     assert Judge().judge(c, {0: COMPUTING}, now=15.5).action == "wait"
-    v = Judge().judge(c, {0: COMPUTING}, now=19.0)
+    v = Judge().judge(c, {0: COMPUTING}, now=14.0 + GIVE_UP_AFTER)
     assert v.action == "abandon" and list(v.stuck) == [0] and "did not stop" in v.stuck[0]
 
 
 def test_an_interrupted_rank_that_is_still_computing_is_given_time_then_left_behind():
     c = cell(busy=(1,), first_finished=10.2, interrupted_at=10.0)
     assert Judge().judge(c, {1: COMPUTING}, now=12.0).action == "wait"
-    assert Judge().judge(c, {1: COMPUTING}, now=15.0).action == "abandon"
+    assert Judge().judge(c, {1: COMPUTING}, now=10.0 + GIVE_UP_AFTER).action == "abandon"
 
 
 # -------------------------------------------------------------- rule 1: dead peer
