@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 #: how long a rank's debugger may take to answer one request (attach starts debugpy)
 DEBUG_TIMEOUT = 60.0
-#: how long shutdown waits for the debugged rank to end its session
+#: how long ending a session (shutdown, `%dist_debug N`) waits for each answer of the debugged rank
 END_TIMEOUT = 3.0
 #: the requests that make a session, replayed on a newly chosen rank (in this order)
 SETUP = ("initialize", "attach")
@@ -188,12 +188,12 @@ class DebugSession:
         self._remember(content, reply)
         return reply
 
-    async def _forward(self, ranks: Ranks, rank: int, content: dict) -> dict:
+    async def _forward(self, ranks: Ranks, rank: int, content: dict, timeout: float = DEBUG_TIMEOUT) -> dict:
         try:
-            return await ranks.shell_request(rank, "debug_request", content, timeout=DEBUG_TIMEOUT, channel="control")
+            return await ranks.shell_request(rank, "debug_request", content, timeout=timeout, channel="control")
         except asyncio.TimeoutError:
             return error_response(content, f"rank {rank}'s debugger did not answer "
-                                  f"{content.get('command')!r} in {DEBUG_TIMEOUT:g} s")
+                                  f"{content.get('command')!r} in {timeout:g} s")
         except Exception as e:  # noqa: BLE001 - a dead rank: the frontend is told
             return error_response(content, f"rank {rank}: {e}")
 
@@ -293,7 +293,7 @@ class DebugSession:
         if not self.active:
             return
         if old is not None:
-            await self._end_within(ranks, old, was_stopped)
+            await self._end_on(ranks, old, was_stopped)
         if rank is None:
             self._forget()
             return
@@ -302,25 +302,25 @@ class DebugSession:
 
     async def _end_on(self, ranks: Ranks, rank: int, stopped: bool) -> None:
         """End the session on ``rank`` (debugpy lets stopped threads go on); nothing is asked of
-        a process that never had it (one that took the place of the rank's dead one)."""
+        a process that never had it (one that took the place of the rank's dead one).
+
+        Each request is waited for END_TIMEOUT at most, and ``disconnect`` is always sent: the
+        session is over for the frontend either way, and a rank slow to answer (a loaded machine)
+        must not hold up the magic or the shutdown (``%dist_debug 0`` once gave no output for
+        120 s), nor keep a session that a later ``attach`` would find started."""
         if not ranks.alive(rank) or ranks.pid(rank) != self._on:
             return
         if stopped:
             await self._forward(ranks, rank, {"type": "request", "seq": 0, "command": "continue",
-                                              "arguments": {"threadId": 1}})
+                                              "arguments": {"threadId": 1}}, timeout=END_TIMEOUT)
         await self._forward(ranks, rank, {"type": "request", "seq": 0, "command": "disconnect",
-                                          "arguments": {"restart": False, "terminateDebuggee": False}})
-
-    async def _end_within(self, ranks: Ranks, rank: int, stopped: bool) -> None:
-        """:meth:`_end_on`, given up after END_TIMEOUT: the session is over for the frontend either
-        way, and a rank slow to answer (a loaded machine, a rank busy in C code) must not hold
-        up the magic or the shutdown (``%dist_debug 0`` once waited over 120 s on rank 1)."""
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._end_on(ranks, rank, stopped), END_TIMEOUT)
+                                          "arguments": {"restart": False, "terminateDebuggee": False}},
+                            timeout=END_TIMEOUT)
 
     async def end(self, ranks: Ranks | None) -> None:
         """Shutdown or restart: end the session on the debugged rank, within END_TIMEOUT."""
         if ranks is None or self.rank is None or not self.active:
             return
-        await self._end_within(ranks, self.rank, bool(self.stopped))
+        with contextlib.suppress(Exception):
+            await self._end_on(ranks, self.rank, bool(self.stopped))
         self._forget()

@@ -104,8 +104,18 @@ class Frontend:
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def module_kernel():
     yield from group_kernel_for_module("--ranks", "2", "--hang-grace", "1")
+
+
+@pytest.fixture
+def kernel(module_kernel):
+    """The module's kernel, left with no debug session after the test: one that fails halfway
+    leaves its session attached, and the next test's ``attach`` would fail on it too."""
+    yield module_kernel
+    module_kernel.km.interrupt_kernel()  # a cell left stopped at a breakpoint ends (the stop button)
+    module_kernel.execute("%dist_debug off", timeout=60)
+    module_kernel.execute("%dist_debug 0", timeout=60)
 
 
 def _variables(fe: Frontend, scopes: list[dict], name: str) -> dict[str, str]:
