@@ -318,7 +318,7 @@ class DebugSession:
                             timeout=END_TIMEOUT)
 
     async def end(self, ranks: Ranks | None) -> None:
-        """Shutdown or restart: end the session on the debugged rank, within END_TIMEOUT."""
+        """Shutdown or restart: end the session on the debugged rank (END_TIMEOUT per answer)."""
         if ranks is None or self.rank is None or not self.active:
             return
         with contextlib.suppress(Exception):

@@ -93,7 +93,7 @@ class RankQueues:
 
         A dict keeps its size after its keys are deleted, and a finished cell's merger stays
         routed for the output its threads print late (the last ``ranks.RECENT`` cells): before
-        this, each cell of 200,000 lines per rank left 30-45 MB in the parent for 64 cells. The
+        this, each cell of 300,000 lines per rank left 30-45 MB in the parent for 64 cells. The
         per-place and per-key counts are empty or moot once nothing is queued, and the recent
         items serve only to re-align a rank's next item, which never comes now."""
         if any(self._queues.values()):
